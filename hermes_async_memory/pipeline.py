@@ -1,0 +1,774 @@
+"""The memory pipeline: accept turns without waiting, commit them in batches, recall ahead.
+
+    sync_turn ──► outbox (durable append, bounded queue) ──► writer ──► SQLite store
+                                                              │  one transaction per batch
+                                                              ├─► prefetch cache (recent turns)
+                                                              └─► replica backend (optional)
+    queue_prefetch ──► pending recalls (latest per session) ──► recallers ──► prefetch cache
+    prefetch ──► prefetch cache (a dict lookup)
+
+Workers run in an anyio task group owned by one supervisor task, so the pipeline can be
+opened in one task and closed from another (pytest fixtures, signal handlers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import os
+import random
+import sqlite3
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from .backends import Backend, NullBackend, RecallRequest
+from .cache import PrefetchStatus, RecallCache
+from .errors import (
+    FlushTimeoutError,
+    InvalidTurnError,
+    PipelineClosedError,
+    StoreError,
+)
+from .outbox import Outbox
+from .recall import match_expression, query_terms, render_hits
+from .settings import Settings
+from .stats import Meter, PipelineStats, percentile
+from .store import SqliteStore
+from .turns import Receipt, Turn, check_id, sanitize, scope_token_for, turn_messages
+
+log = structlog.get_logger(__name__)
+
+_NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
+# Turns decoded from the outbox per step: decoding is Python work on the event loop.
+_REFILL_STEP = 128
+# How long the writer may finish the batch it holds once shutdown stops it.
+_WRITER_GRACE_S = 30.0
+_RETRY_CAP_S = 5.0
+_REPLICA_QUEUE = 10_000
+
+
+class MemoryPipeline:
+    """Use as ``async with MemoryPipeline(settings) as mem:``.
+
+    ``sync_turn``, ``queue_prefetch`` and ``prefetch`` never wait on I/O; ``flush``,
+    ``get_messages`` and ``aclose`` are awaitable.
+    """
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        backend: Backend | None = None,
+        *,
+        store: SqliteStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = s = settings or Settings()
+        self.backend = backend or NullBackend()
+        self.store = store or SqliteStore(
+            s.db_path, readers=s.recall_workers, busy_timeout_ms=s.busy_timeout_ms,
+            source=s.source,
+        )
+        self._clock = clock
+        self._outbox = Outbox(
+            s.outbox_dir,
+            segment_bytes=s.outbox_segment_bytes,
+            max_queued_turns=s.max_queued_turns,
+            max_queued_bytes=s.max_queued_bytes,
+            overflow=s.overflow,
+            clock=clock,
+        )
+        self._cache = RecallCache(
+            max_sessions=s.cache_max_sessions, recent_turns=s.recent_turns,
+            recent_chars=s.recent_chars, clock=clock,
+        )
+        self._state = _NEW
+        self._key_prefix = os.urandom(6).hex()
+        self._key_counter = itertools.count(1)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._work: asyncio.Event | None = None
+        self._recall_work: asyncio.Event | None = None
+        self._stop: asyncio.Event | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._writer_done: asyncio.Event | None = None
+        self._closed: asyncio.Event | None = None
+        self._writer_stop = False
+        self._hurry = False
+        # Flush barrier: turns are processed strictly in accept order, so "the first N
+        # accepted are done" is a count.
+        self._recovered = 0
+        self._processed = 0
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._waiter_ids = itertools.count()
+        self._pending_recalls: dict[str, tuple[str, str | None]] = {}
+        self._inflight: dict[tuple[str, tuple[str, ...]], asyncio.Future[str]] = {}
+        self._replica: deque[list[Turn]] = deque()
+        self._replica_work: asyncio.Event | None = None
+        self._meter = Meter()
+        self._rows_since_vocab = 0
+        self._counts = {
+            "recalls_run": 0, "recalls_shared": 0, "recalls_shed": 0, "recall_errors": 0,
+            "commit_retries": 0, "dead_letters": 0, "sanitized": 0, "replica_errors": 0,
+            "replica_shed": 0,
+        }
+
+    # -- life cycle --------------------------------------------------------------------
+
+    async def __aenter__(self) -> MemoryPipeline:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Open the store and the outbox, recover what an earlier run left, start workers.
+
+        Raises:
+            StoreError: the store or the outbox cannot be opened.
+            PipelineClosedError: the pipeline was already started.
+        """
+        if self._state != _NEW:
+            raise PipelineClosedError(f"the pipeline is {self._state}; start() runs once")
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._work = asyncio.Event()
+        self._recall_work = asyncio.Event()
+        self._replica_work = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._writer_done = asyncio.Event()
+        self._closed = asyncio.Event()
+        started = time.perf_counter()
+        await self.store.open()
+        try:
+            first_segment = await self.store.next_segment()
+            self._recovered = self._outbox.open(first_segment)
+            await self.store.refresh_frequent_terms(self.settings.frequent_term_rows)
+            await self.backend.startup()
+        except BaseException:
+            self._outbox.close()
+            await self.store.aclose()
+            raise
+        ready = asyncio.Event()
+        self._runner = asyncio.create_task(self._run(ready), name="hermes-memory-supervisor")
+        self._runner.add_done_callback(self._runner_done)
+        waiter = asyncio.create_task(ready.wait())
+        await asyncio.wait({waiter, self._runner}, return_when=asyncio.FIRST_COMPLETED)
+        if not ready.is_set():
+            waiter.cancel()
+            self._outbox.close()
+            await self.store.aclose()
+            self._runner.result()  # re-raises what stopped the workers
+        self._state = _OPEN
+        log.info(
+            "pipeline_started", db=str(self.settings.db_path), recovered_turns=self._recovered,
+            duration_ms=round((time.perf_counter() - started) * 1000, 2),
+        )
+
+    def _runner_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None and self._state == _OPEN:
+            # Accepted turns stay durable in the outbox; the next start commits them.
+            log.critical("pipeline_workers_failed", error=repr(task.exception()))
+
+    async def _run(self, ready: asyncio.Event) -> None:
+        assert self._stop is not None
+        async with anyio.create_task_group() as tg:
+            await tg.start(self._writer)
+            for i in range(self.settings.recall_workers):
+                await tg.start(self._recaller, i)
+            await tg.start(self._replicator)
+            tg.start_soon(self._maintainer)
+            ready.set()
+            await self._stop.wait()
+            tg.cancel_scope.cancel()
+
+    async def aclose(self, deadline_s: float | None = None) -> None:
+        """The shutdown hook: stop accepting, drain within the deadline, close. Idempotent.
+
+        What the deadline leaves uncommitted stays durable in the outbox and is committed by
+        the next start.
+        """
+        if self._state == _NEW:
+            self._state = _CLOSED
+            return
+        assert self._closed is not None
+        if self._state in (_CLOSING, _CLOSED):
+            await self._closed.wait()
+            return
+        self._state = _CLOSING
+        deadline = self.settings.shutdown_deadline_s if deadline_s is None else deadline_s
+        started = time.perf_counter()
+        with anyio.CancelScope(shield=True):
+            try:
+                target = self._target()
+                self._hurry = True
+                with anyio.move_on_after(deadline):
+                    await self._wait_processed(target)
+                await self._stop_workers()
+                left = self._target() - self._processed
+                await self._close_resources()
+                log.info(
+                    "pipeline_closed", committed=self._processed, left_in_outbox=left,
+                    duration_ms=round((time.perf_counter() - started) * 1000, 2),
+                )
+            finally:
+                self._state = _CLOSED
+                self._closed.set()
+
+    async def _stop_workers(self) -> None:
+        assert self._work is not None and self._writer_done is not None and self._stop
+        self._writer_stop = True
+        self._work.set()
+        with anyio.move_on_after(_WRITER_GRACE_S):
+            await self._writer_done.wait()
+        self._stop.set()
+        if self._runner is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._runner
+        for _, _, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(PipelineClosedError("the pipeline closed before the flush"))
+        self._waiters.clear()
+
+    async def _close_resources(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.backend.aclose()
+        await self.store.aclose()
+        self._outbox.close()
+
+    # -- accept ------------------------------------------------------------------------
+
+    def sync_turn(
+        self,
+        user_content: str,
+        assistant_content: str,
+        *,
+        session_id: str,
+        user_id: str | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Receipt:
+        """Accept a finished turn. Durable when this returns; never waits on I/O.
+
+        Safe to call from any thread.
+
+        Raises:
+            InvalidTurnError: the turn cannot be stored (types, size); nothing was stored.
+            QueueFullError: the queue is full and the overflow policy is "reject".
+            PipelineClosedError: the pipeline is not open.
+            StoreError: the outbox cannot grow (disk full).
+        """
+        if self._state != _OPEN:
+            raise PipelineClosedError(f"the pipeline is {self._state}")
+        _check_clean_id("session_id", session_id)
+        if user_id is not None:
+            _check_clean_id("user_id", user_id)
+        if metadata is not None and not isinstance(metadata, Mapping):
+            raise InvalidTurnError("metadata must be a mapping")
+        rows = turn_messages(user_content, assistant_content, messages)
+        turn = Turn(
+            key=f"{self._key_prefix}-{next(self._key_counter):x}",
+            seq=0,
+            session_id=session_id,
+            user_id=user_id,
+            accepted_at=time.time(),
+            messages=rows,
+            metadata=dict(metadata) if metadata else None,
+            nbytes=0,
+            accepted_mono=self._clock(),
+        )
+        try:
+            payload = turn.encode()
+        except UnicodeEncodeError:
+            # Lone surrogates cannot be stored as UTF-8 anywhere: keep the turn, with U+FFFD.
+            turn.messages = sanitize(turn.messages)
+            turn.metadata = sanitize(turn.metadata)
+            self._counts["sanitized"] += 1
+            payload = turn.encode()
+        except (TypeError, ValueError) as exc:
+            raise InvalidTurnError(f"metadata is not JSON-serialisable: {exc}") from exc
+        if len(payload) > self.settings.max_turn_bytes:
+            raise InvalidTurnError(
+                f"the turn is {len(payload)} bytes encoded; the limit (max_turn_bytes) is "
+                f"{self.settings.max_turn_bytes}"
+            )
+        turn.prepare()
+        deferred = self._outbox.put(turn, payload)
+        self._notify(self._work)
+        return Receipt(turn.key, session_id, turn.seq, turn.accepted_at, deferred)
+
+    def queue_prefetch(self, query: str, *, session_id: str, user_id: str | None = None) -> None:
+        """Ask for a recall for the session's next turn. Never waits; any thread.
+
+        A newer query replaces an older one for the same session that has not started.
+
+        Raises:
+            InvalidTurnError: an id is not a non-empty string.
+            PipelineClosedError: the pipeline is not open.
+        """
+        if self._state != _OPEN:
+            raise PipelineClosedError(f"the pipeline is {self._state}")
+        _check_clean_id("session_id", session_id)
+        if user_id is not None:
+            _check_clean_id("user_id", user_id)
+        if not isinstance(query, str):
+            raise InvalidTurnError(f"query must be a string, got {type(query).__name__}")
+        if not query.strip():
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._queue_recall(query, session_id, user_id)
+        else:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(self._queue_recall, query, session_id, user_id)
+
+    def _queue_recall(self, query: str, session_id: str, user_id: str | None) -> None:
+        pending = self._pending_recalls
+        if session_id not in pending and len(pending) >= self.settings.max_pending_recalls:
+            pending.pop(next(iter(pending)))  # the oldest request; counted, never silent
+            self._counts["recalls_shed"] += 1
+        pending[session_id] = (query, user_id)
+        assert self._recall_work is not None
+        self._recall_work.set()
+
+    def prefetch(self, query: str = "", *, session_id: str) -> str:
+        """The session's cached memory block, or "". A dict lookup: no I/O; any thread."""
+        return self._cache.get(session_id)
+
+    def prefetch_status(self, session_id: str) -> PrefetchStatus:
+        """How fresh the session's cached block is and which turn it reflects."""
+        return self._cache.status(session_id)
+
+    def _notify(self, event: asyncio.Event | None) -> None:
+        if event is None or event.is_set():
+            return
+        if threading.get_ident() == self._loop_thread:
+            event.set()
+        else:
+            assert self._loop is not None
+            with contextlib.suppress(RuntimeError):  # the loop closed: the turn is durable
+                self._loop.call_soon_threadsafe(event.set)
+
+    # -- barriers and reads ------------------------------------------------------------
+
+    def _target(self) -> int:
+        return self._recovered + self._outbox.accepted()
+
+    async def flush(self, session_id: str | None = None, timeout: float | None = None) -> None:
+        """Return once everything accepted before this call is committed and recallable.
+
+        Turns are committed in accept order, so one barrier serves every session.
+
+        Raises:
+            FlushTimeoutError: ``timeout`` passed first; the turns stay durable.
+            PipelineClosedError: the pipeline is not open.
+        """
+        if self._state != _OPEN:
+            raise PipelineClosedError(f"the pipeline is {self._state}")
+        try:
+            with anyio.fail_after(timeout):
+                await self._wait_processed(self._target())
+        except TimeoutError as exc:
+            raise FlushTimeoutError(
+                f"flush did not finish within {timeout} s; "
+                f"{self._target() - self._processed} turns are still pending"
+            ) from exc
+
+    async def _wait_processed(self, target: int) -> None:
+        if self._processed >= target:
+            return
+        assert self._loop is not None and self._work is not None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        heapq.heappush(self._waiters, (target, next(self._waiter_ids), fut))
+        self._hurry = True
+        self._work.set()
+        try:
+            await fut
+        finally:
+            if not fut.done():
+                fut.cancel()
+
+    def _release_waiters(self) -> None:
+        waiters = self._waiters
+        while waiters and waiters[0][0] <= self._processed:
+            _, _, fut = heapq.heappop(waiters)
+            if not fut.done():
+                fut.set_result(None)
+        if not waiters and self._state == _OPEN:
+            self._hurry = False
+
+    async def get_messages(self, session_id: str) -> list[dict[str, Any]]:
+        """The session's stored messages, in order.
+
+        Raises:
+            PipelineClosedError: the pipeline is not open.
+        """
+        if self._state not in (_OPEN, _CLOSING):
+            raise PipelineClosedError(f"the pipeline is {self._state}")
+        return await self.store.get_messages(session_id)
+
+    async def search(
+        self, query: str, *, user_id: str | None = None, session_id: str | None = None,
+        limit: int | None = None,
+    ) -> str:
+        """Run a recall now and return its block ("" when nothing matches)."""
+        if self._state not in (_OPEN, _CLOSING):
+            raise PipelineClosedError(f"the pipeline is {self._state}")
+        return await self._recall_local(query, user_id, session_id, limit)
+
+    # -- stats -------------------------------------------------------------------------
+
+    def stats(self) -> PipelineStats:
+        now = self._clock()
+        counts = self._outbox.counts()
+        oldest = 0.0 if counts.oldest_accepted_mono is None else now - counts.oldest_accepted_mono
+        batches_s, rows_s = self._meter.rates(now)
+        lat = list(self._meter.latencies_s)
+        c = self._counts
+        return PipelineStats(
+            accepted_turns=self._target(),
+            committed_turns=self._processed,
+            queued_turns=counts.queued_turns,
+            queued_bytes=counts.queued_bytes,
+            deferred_turns=counts.deferred_turns,
+            oldest_pending_age_s=max(0.0, oldest),
+            batches_committed=self._meter.batches,
+            rows_committed=self._meter.rows,
+            batches_per_s=batches_s,
+            rows_per_s=rows_s,
+            recall_hits=self._cache.hits,
+            recall_misses=self._cache.misses,
+            recalls_run=c["recalls_run"],
+            recalls_shared=c["recalls_shared"],
+            recalls_shed=c["recalls_shed"],
+            recall_errors=c["recall_errors"],
+            write_to_recallable_p50_ms=percentile(lat, 0.50) * 1000,
+            write_to_recallable_p99_ms=percentile(lat, 0.99) * 1000,
+            commit_retries=c["commit_retries"],
+            dead_letters=c["dead_letters"],
+            sanitized_turns=c["sanitized"],
+            outbox_segments=counts.segments,
+        )
+
+    # -- the writer --------------------------------------------------------------------
+
+    async def _writer(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        assert self._work is not None and self._writer_done is not None
+        task_status.started()
+        s = self.settings
+        try:
+            while True:
+                if not self._outbox.has_work():
+                    if self._writer_stop:
+                        return
+                    self._work.clear()
+                    if not self._outbox.has_work() and not self._writer_stop:
+                        await self._work.wait()
+                    continue
+                if (
+                    not self._hurry
+                    and s.max_wait_ms > 0
+                    and self._outbox.queued() < s.max_batch
+                    and self._outbox.deferred() == 0
+                ):
+                    await anyio.sleep(s.max_wait_ms / 1000)  # the group-commit window
+                turns, recovered = await self._next_batch()
+                if turns:
+                    await self._write_batch(turns, recovered)
+                if self._writer_stop:
+                    return  # shutdown: what is left stays in the outbox
+        finally:
+            self._writer_done.set()
+
+    async def _next_batch(self) -> tuple[list[Turn], bool]:
+        s = self.settings
+        turns = self._outbox.take(s.max_batch)
+        if turns:
+            return turns, False
+        # The queue is empty but turns wait on disk (deferred, or left by an earlier run).
+        out: list[Turn] = []
+        recovered = False
+        while len(out) < s.max_batch:
+            step = self._outbox.refill(min(_REFILL_STEP, s.max_batch - len(out)),
+                                       s.max_queued_bytes)
+            if not step.turns:
+                break
+            recovered = step.recovered
+            out.extend(step.turns)
+            await anyio.sleep(0)  # decoding is Python work: let the loop breathe
+            if recovered and not self._outbox.recovering():
+                break  # recovered turns get their own batch: they need a done-keys check
+        return out, recovered
+
+    async def _write_batch(self, turns: list[Turn], recovered: bool) -> None:
+        if recovered:
+            done = await self._retry(lambda: self.store.done_keys(t.key for t in turns))
+            if done:
+                skipped = [t for t in turns if t.key in done]
+                turns = [t for t in turns if t.key not in done]
+                self._finish(skipped, committed=False)
+                log.info("outbox_replay_skipped", turns=len(skipped))
+            if not turns:
+                return
+        await self._commit(turns)
+
+    async def _commit(self, turns: list[Turn]) -> None:
+        """Commit ``turns`` in order; isolate and dead-letter what cannot be stored."""
+        started = self._clock()
+        attempt = 0
+        while True:
+            try:
+                await self.store.commit(turns)
+                break
+            except sqlite3.OperationalError as exc:
+                # Busy, locked, I/O, disk full: the store's trouble, not the turns'. Retry the
+                # whole batch; never dead-letter good turns for it.
+                attempt += 1
+                self._counts["commit_retries"] += 1
+                log.warning("batch_retry", turns=len(turns), attempt=attempt, error=str(exc))
+                await anyio.sleep(self._backoff(attempt))
+            except sqlite3.IntegrityError as exc:
+                done = await self._retry(lambda: self.store.done_keys(t.key for t in turns))
+                if done:
+                    self._finish([t for t in turns if t.key in done], committed=False)
+                    turns = [t for t in turns if t.key not in done]
+                    if not turns:
+                        return
+                    continue
+                await self._isolate(turns, exc)
+                return
+            except Exception as exc:  # the per-job boundary: route, count, log
+                await self._isolate(turns, exc)
+                return
+        now = self._clock()
+        rows = sum(len(t.rows) for t in turns)
+        self._meter.record_batch(now, len(turns), rows)
+        self._rows_since_vocab += rows
+        lat = self._meter.latencies_s
+        wall = time.time()
+        for t in turns:
+            lat.append(wall - t.accepted_at)
+        self._finish(turns, committed=True)
+        self._outbox.prepare_spare()
+        self._hand_to_replica(turns)
+        log.info(
+            "batch_committed", turns=len(turns), rows=rows,
+            sessions=len({t.session_id for t in turns}),
+            duration_ms=round((now - started) * 1000, 2), attempts=attempt + 1,
+            queued=self._outbox.queued(), deferred=self._outbox.deferred(),
+        )
+
+    async def _isolate(self, turns: list[Turn], exc: BaseException) -> None:
+        """Split a failing batch until the turn that fails is alone, then dead-letter it."""
+        if len(turns) > 1:
+            mid = len(turns) // 2
+            await self._commit(turns[:mid])
+            await self._commit(turns[mid:])
+            return
+        turn = turns[0]
+        error = f"{type(exc).__name__}: {exc}"
+        for attempt in range(1, self.settings.commit_max_attempts):
+            await anyio.sleep(self._backoff(attempt))
+            try:
+                await self.store.commit(turns)
+            except sqlite3.OperationalError:
+                raise  # not this turn's fault after all; the caller's loop retries
+            except Exception as again:  # the per-job boundary
+                error = f"{type(again).__name__}: {again}"
+                continue
+            self._finish(turns, committed=True)
+            return
+        payload = _safe_payload(turn)
+        await self._retry(
+            lambda: self.store.dead_letter(turn, error, self.settings.commit_max_attempts, payload)
+        )
+        self._counts["dead_letters"] += 1
+        log.error("turn_dead_lettered", key=turn.key, session_id=turn.session_id, error=error)
+        self._finish(turns, committed=False)
+
+    async def _retry(self, op: Callable[[], Any]) -> Any:
+        """Run a store call until the store answers; its failures are the store's, not data's."""
+        attempt = 0
+        while True:
+            try:
+                return await op()
+            except sqlite3.OperationalError as exc:
+                attempt += 1
+                self._counts["commit_retries"] += 1
+                log.warning("store_retry", attempt=attempt, error=str(exc))
+                await anyio.sleep(self._backoff(attempt))
+
+    def _backoff(self, attempt: int) -> float:
+        base = self.settings.commit_retry_base_s * (2 ** min(attempt, 10))
+        return min(_RETRY_CAP_S, base) * (0.5 + random.random() / 2)
+
+    def _finish(self, turns: list[Turn], *, committed: bool) -> None:
+        """These turns are settled (stored, already stored, or dead-lettered)."""
+        if not turns:
+            return
+        self._outbox.mark_done(turns)
+        self._processed += len(turns)
+        if committed:
+            now = self._clock()
+            note = self._cache.note_commit
+            for t in turns:
+                note(t.session_id, t.user_id, t.key, t.user_text, t.assistant_text, now)
+        self._release_waiters()
+
+    # -- replication -------------------------------------------------------------------
+
+    def _hand_to_replica(self, turns: list[Turn]) -> None:
+        if isinstance(self.backend, NullBackend):
+            return
+        if sum(len(b) for b in self._replica) >= _REPLICA_QUEUE:
+            self._counts["replica_shed"] += len(turns)
+            log.warning("replica_behind", shed_turns=len(turns), backend=self.backend.name)
+            return
+        self._replica.append(turns)
+        self._notify(self._replica_work)
+
+    async def _replicator(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+                          ) -> None:
+        assert self._replica_work is not None
+        task_status.started()
+        while True:
+            if not self._replica:
+                self._replica_work.clear()
+                await self._replica_work.wait()
+                continue
+            batch = self._replica.popleft()
+            try:
+                await self.backend.write(batch)
+            except Exception as exc:  # the per-job boundary
+                self._counts["replica_errors"] += 1
+                log.warning("replica_write_failed", backend=self.backend.name,
+                            turns=len(batch), error=str(exc))
+
+    # -- recall ------------------------------------------------------------------------
+
+    async def _recaller(self, index: int, *,
+                        task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        assert self._recall_work is not None
+        task_status.started()
+        pending = self._pending_recalls
+        while True:
+            if not pending:
+                self._recall_work.clear()
+                await self._recall_work.wait()
+                continue
+            session_id = next(iter(pending))
+            query, user_id = pending.pop(session_id)
+            user_id = user_id or self._cache.user_of(session_id)
+            try:
+                block = await self._recall_shared(query, user_id, session_id)
+            except Exception as exc:  # the per-job boundary
+                self._counts["recall_errors"] += 1
+                log.warning("recall_failed", session_id=session_id, error=str(exc))
+                continue
+            self._cache.set_recall(session_id, user_id, query, block)
+
+    async def _recall_shared(self, query: str, user_id: str | None, session_id: str) -> str:
+        scope = scope_token_for(user_id, session_id)
+        terms = tuple(query_terms(query, self.store.frequent_terms, self.settings.recall_max_terms))
+        key = (scope, terms)
+        running = self._inflight.get(key)
+        if running is not None:
+            self._counts["recalls_shared"] += 1
+            return await asyncio.shield(running)
+        assert self._loop is not None
+        fut: asyncio.Future[str] = self._loop.create_future()
+        self._inflight[key] = fut
+        try:
+            block = await self._recall_block(query, user_id, session_id, terms, scope)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters may be gone
+            raise
+        else:
+            fut.set_result(block)
+            return block
+        finally:
+            del self._inflight[key]
+
+    async def _recall_block(self, query: str, user_id: str | None, session_id: str,
+                            terms: tuple[str, ...], scope: str) -> str:
+        self._counts["recalls_run"] += 1
+        if not isinstance(self.backend, NullBackend):
+            request = RecallRequest(query, session_id, user_id, self.settings.recall_limit)
+            remote = await self.backend.recall(request)
+            if remote is not None:
+                return remote
+        return await self._search_terms(terms, scope, self.settings.recall_limit)
+
+    async def _recall_local(self, query: str, user_id: str | None, session_id: str | None,
+                            limit: int | None) -> str:
+        scope = scope_token_for(user_id, session_id)
+        terms = query_terms(query, self.store.frequent_terms, self.settings.recall_max_terms)
+        return await self._search_terms(terms, scope, limit or self.settings.recall_limit)
+
+    async def _search_terms(self, terms: Sequence[str], scope: str, limit: int) -> str:
+        if not terms:
+            return ""
+        hits = await self.store.search(
+            match_expression(terms, scope), limit=limit,
+            snippet_tokens=self.settings.recall_snippet_tokens,
+        )
+        return render_hits(hits)
+
+    # -- upkeep ------------------------------------------------------------------------
+
+    async def _maintainer(self) -> None:
+        """Off the accept path: the next outbox segment, frequent terms, old outbox keys."""
+        s = self.settings
+        last_pruned = 0
+        while True:
+            await anyio.sleep(min(1.0, s.frequent_terms_refresh_s or 1.0))
+            try:
+                self._outbox.prepare_spare()
+                oldest = self._outbox.oldest_segment()
+                if oldest > last_pruned:
+                    await self.store.prune_outbox(oldest)
+                    last_pruned = oldest
+                if self._rows_since_vocab and self._vocab_due():
+                    self._rows_since_vocab = 0
+                    await self.store.refresh_frequent_terms(s.frequent_term_rows)
+            except Exception as exc:  # the per-job boundary
+                log.warning("maintenance_failed", error=str(exc))
+
+    _vocab_at = 0.0
+
+    def _vocab_due(self) -> bool:
+        now = self._clock()
+        if now - self._vocab_at >= self.settings.frequent_terms_refresh_s:
+            self._vocab_at = now
+            return True
+        return False
+
+
+def _check_clean_id(name: str, value: object) -> None:
+    check_id(name, value)
+    assert isinstance(value, str)
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidTurnError(f"{name} holds a lone surrogate") from exc
+
+
+def _safe_payload(turn: Turn) -> bytes:
+    try:
+        return turn.encode()
+    except (UnicodeEncodeError, TypeError, ValueError):
+        return repr(turn.messages).encode("utf-8", "backslashreplace")

@@ -1,0 +1,135 @@
+"""Settings: one frozen dataclass, read from the environment only at the edge."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import platformdirs
+
+from .errors import ConfigurationError
+
+OverflowPolicy = Literal["defer", "reject"]
+OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("defer", "reject")
+
+APP_NAME = "hermes-async-memory"
+ENV_PREFIX = "HERMES_MEMORY_"
+MIB = 1024 * 1024
+
+
+def default_db_path() -> Path:
+    """The store file in the user's data directory."""
+    return platformdirs.user_data_path(APP_NAME) / "memory.db"
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything the pipeline can be tuned by. Build it once and pass it in."""
+
+    db_path: Path = field(default_factory=default_db_path)
+    # Group commit: a batch closes at max_batch turns or max_wait_ms after its first turn.
+    max_batch: int = 1000
+    max_wait_ms: float = 2.0
+    # The in-memory queue of accepted turns. Past either bound the overflow policy applies:
+    # "defer" keeps the turn durable in the outbox and commits it later (the receipt says
+    # deferred); "reject" raises QueueFullError and stores nothing.
+    max_queued_turns: int = 100_000
+    max_queued_bytes: int = 256 * MIB
+    overflow: OverflowPolicy = "defer"
+    # A turn larger than this (encoded) is refused with InvalidTurnError.
+    max_turn_bytes: int = 16 * MIB
+    # The outbox is a memory-mapped append log split into segments of this size.
+    outbox_segment_bytes: int = 16 * MIB
+    # Writer retries: a failing batch is split to isolate a poison turn, which goes to the
+    # dead letters after this many attempts on its own.
+    commit_max_attempts: int = 5
+    commit_retry_base_s: float = 0.05
+    # Recall.
+    recall_workers: int = 2
+    recall_limit: int = 5
+    recall_snippet_tokens: int = 16
+    recall_max_terms: int = 8
+    # Terms matching more rows than this are too common to rank on and are dropped.
+    frequent_term_rows: int = 2000
+    frequent_terms_refresh_s: float = 30.0
+    max_pending_recalls: int = 10_000
+    # The prefetch cache: the last few committed turns of a session plus its last recall.
+    recent_turns: int = 3
+    recent_chars: int = 400
+    cache_max_sessions: int = 10_000
+    # SQLite.
+    busy_timeout_ms: int = 10_000
+    source: str = "api"
+    # Shutdown.
+    shutdown_deadline_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
+        positive = (
+            "max_batch", "max_queued_turns", "max_queued_bytes", "max_turn_bytes",
+            "outbox_segment_bytes", "commit_max_attempts", "recall_workers", "recall_limit",
+            "recall_snippet_tokens", "recall_max_terms", "frequent_term_rows",
+            "max_pending_recalls", "cache_max_sessions",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
+        non_negative = (
+            "max_wait_ms", "commit_retry_base_s", "frequent_terms_refresh_s",
+            "shutdown_deadline_s", "busy_timeout_ms", "recent_turns", "recent_chars",
+        )
+        for name in non_negative:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ConfigurationError(f"{name} must be a non-negative number, got {value!r}")
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ConfigurationError(
+                f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}"
+            )
+        if self.outbox_segment_bytes < 64 * 1024:
+            raise ConfigurationError("outbox_segment_bytes must be at least 64 KiB")
+
+    @property
+    def outbox_dir(self) -> Path:
+        """Where the outbox segments live, beside the store file."""
+        return self.db_path.with_name(self.db_path.name + ".outbox")
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
+        """Read ``HERMES_MEMORY_<FIELD>`` variables (e.g. ``HERMES_MEMORY_DB_PATH``).
+
+        Raises:
+            ConfigurationError: a variable does not parse as its field's type.
+        """
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            values[f.name] = _parse(f.name, f.type, raw)
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _parse(name: str, type_name: object, raw: str) -> object:
+    kind = str(type_name)
+    try:
+        if kind == "int":
+            return int(raw.replace("_", ""))
+        if kind == "float":
+            return float(raw)
+        if kind == "Path":
+            return Path(raw)
+    except ValueError as exc:
+        raise ConfigurationError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a {kind}") from exc
+    return raw

@@ -1,0 +1,69 @@
+"""Counters the pipeline keeps, and the snapshot stats() returns."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+_RATE_WINDOW_S = 10.0
+_LATENCY_SAMPLES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineStats:
+    """A snapshot of the pipeline's queues and throughput."""
+
+    accepted_turns: int
+    committed_turns: int
+    queued_turns: int
+    queued_bytes: int
+    deferred_turns: int
+    oldest_pending_age_s: float
+    batches_committed: int
+    rows_committed: int
+    batches_per_s: float
+    rows_per_s: float
+    recall_hits: int
+    recall_misses: int
+    recalls_run: int
+    recalls_shared: int
+    recalls_shed: int
+    recall_errors: int
+    write_to_recallable_p50_ms: float
+    write_to_recallable_p99_ms: float
+    commit_retries: int
+    dead_letters: int
+    sanitized_turns: int
+    outbox_segments: int
+
+
+def percentile(samples: list[float], q: float) -> float:
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+class Meter:
+    """Batches and rows over a sliding window, and recent write-to-recallable latencies."""
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.rows = 0
+        self.turns = 0
+        self._window: deque[tuple[float, int]] = deque(maxlen=4096)
+        self.latencies_s: deque[float] = deque(maxlen=_LATENCY_SAMPLES)
+
+    def record_batch(self, now: float, turns: int, rows: int) -> None:
+        self.batches += 1
+        self.rows += rows
+        self.turns += turns
+        self._window.append((now, rows))
+
+    def rates(self, now: float) -> tuple[float, float]:
+        recent = [(t, r) for t, r in self._window if now - t <= _RATE_WINDOW_S]
+        if not recent:
+            return 0.0, 0.0
+        span = max(now - recent[0][0], 1e-3)
+        return len(recent) / span, sum(r for _, r in recent) / span

@@ -1,0 +1,403 @@
+"""The embedded SQLite store: sessions, messages with an FTS5 index, and the outbox table.
+
+One writer connection commits whole batches; reader connections serve recalls and reads.
+Every await on aiosqlite is a hop to its connection thread, so a batch is a handful of
+``executemany`` calls, never one await per row. The FTS5 index has external content and no
+insert trigger: the writer fills it once per batch from the rows it just inserted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import structlog
+
+from .errors import StoreError
+from .turns import Turn
+
+log = structlog.get_logger(__name__)
+
+SCHEMA_VERSION = 1
+_KEY_CHUNK = 500
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    source TEXT NOT NULL,
+    user_id TEXT,
+    model TEXT,
+    parent_session_id TEXT,
+    started_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    ended_at REAL,
+    end_reason TEXT,
+    message_count INTEGER NOT NULL DEFAULT 0,
+    tool_call_count INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS idx_sessions_user ON sessions(user_id);
+CREATE INDEX IF NOT EXISTS idx_sessions_parent ON sessions(parent_session_id);
+CREATE INDEX IF NOT EXISTS idx_sessions_started ON sessions(started_at DESC);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    turn_key TEXT NOT NULL,
+    ordinal INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    content TEXT,
+    tool_calls TEXT,
+    tool_call_id TEXT,
+    tool_name TEXT,
+    timestamp REAL NOT NULL,
+    user_id TEXT,
+    scope TEXT NOT NULL,
+    metadata TEXT
+);
+CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, id);
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
+    content, scope,
+    content='messages', content_rowid='id',
+    tokenize='unicode61 remove_diacritics 2'
+);
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_vocab USING fts5vocab(messages_fts, 'col');
+CREATE TRIGGER IF NOT EXISTS messages_fts_delete AFTER DELETE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content, scope)
+    VALUES ('delete', old.id, old.content, old.scope);
+END;
+CREATE TABLE IF NOT EXISTS outbox (
+    key TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    segment INTEGER NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('pending', 'leased', 'done', 'dead')),
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    payload BLOB,
+    accepted_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idx_outbox_segment ON outbox(segment);
+CREATE INDEX IF NOT EXISTS idx_outbox_open ON outbox(status) WHERE status != 'done';
+"""
+
+_INSERT_SESSION = """
+INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
+                      message_count, tool_call_count, input_tokens, output_tokens)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (id) DO UPDATE SET
+    updated_at = excluded.updated_at,
+    user_id = coalesce(sessions.user_id, excluded.user_id),
+    model = coalesce(excluded.model, sessions.model),
+    parent_session_id = coalesce(sessions.parent_session_id, excluded.parent_session_id),
+    message_count = sessions.message_count + excluded.message_count,
+    tool_call_count = sessions.tool_call_count + excluded.tool_call_count,
+    input_tokens = sessions.input_tokens + excluded.input_tokens,
+    output_tokens = sessions.output_tokens + excluded.output_tokens
+"""
+_INSERT_MESSAGE = """
+INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
+                      tool_name, timestamp, user_id, scope, metadata)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+"""
+_INDEX_BATCH = """
+INSERT INTO messages_fts (rowid, content, scope) SELECT id, content, scope FROM messages WHERE id > ?
+"""
+_INSERT_DONE = """
+INSERT INTO outbox (key, session_id, segment, status, attempts, accepted_at, updated_at)
+VALUES (?, ?, ?, 'done', 1, ?, ?)
+"""
+_INSERT_DEAD = """
+INSERT INTO outbox (key, session_id, segment, status, attempts, last_error, payload,
+                    accepted_at, updated_at)
+VALUES (?, ?, ?, 'dead', ?, ?, ?, ?, ?)
+ON CONFLICT (key) DO UPDATE SET status = 'dead', attempts = excluded.attempts,
+    last_error = excluded.last_error, payload = excluded.payload, updated_at = excluded.updated_at
+"""
+_SEARCH = """
+SELECT m.id, m.session_id, m.role, m.timestamp,
+       snippet(messages_fts, 0, '', '', '…', ?) AS snip
+FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid
+WHERE messages_fts MATCH ?
+ORDER BY rank
+LIMIT ?
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """One recalled message."""
+
+    message_id: int
+    session_id: str
+    role: str
+    timestamp: float
+    snippet: str
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    key: str
+    session_id: str
+    attempts: int
+    last_error: str
+    updated_at: float
+
+
+def session_rows(turns: Sequence[Turn], source: str, now: float) -> list[tuple[Any, ...]]:
+    """One upsert row per session in the batch, with its counters summed."""
+    acc: dict[str, list[Any]] = {}
+    for t in turns:
+        row = acc.get(t.session_id)
+        fields = t.session_fields() if t.metadata else {}
+        if row is None:
+            row = acc[t.session_id] = [
+                t.session_id, str(fields.get("source") or source), t.user_id,
+                fields.get("model"), fields.get("parent_session_id"), t.accepted_at, now,
+                0, 0, 0, 0,
+            ]
+        elif fields:
+            row[3] = fields.get("model") or row[3]
+            row[4] = row[4] or fields.get("parent_session_id")
+        row[7] += len(t.rows)
+        row[8] += t.tool_calls
+        if fields:
+            row[9] += _int(fields.get("input_tokens"))
+            row[10] += _int(fields.get("output_tokens"))
+    return [tuple(r) for r in acc.values()]
+
+
+def _int(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+class SqliteStore:
+    """The system of record. ``open()`` before use, ``aclose()`` after."""
+
+    def __init__(self, path: Path, *, readers: int = 2, busy_timeout_ms: int = 10_000,
+                 source: str = "api") -> None:
+        self.path = Path(path)
+        self._readers_n = readers
+        self._busy_timeout_ms = busy_timeout_ms
+        self._source = source
+        self._writer: aiosqlite.Connection | None = None
+        self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
+        self._all_readers: list[aiosqlite.Connection] = []
+        self.frequent_terms: frozenset[str] = frozenset()
+
+    # -- life cycle --------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create or open the file (mode 0600) and its schema.
+
+        Raises:
+            StoreError: the file cannot be opened or is not a store of ours.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            os.close(fd)
+            os.chmod(self.path, 0o600)
+            self._writer = await self._connect()
+            await self._writer.executescript(SCHEMA)
+            async with self._writer.execute("SELECT version FROM schema_version") as cur:
+                row = await cur.fetchone()
+            if row is None:
+                await self._writer.execute(
+                    "INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,)
+                )
+                # Rank on the text column only; the scope column is a filter, not evidence.
+                await self._writer.execute(
+                    "INSERT INTO messages_fts (messages_fts, rank) VALUES ('rank', 'bm25(1.0, 0.0)')"
+                )
+            elif row[0] > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
+                )
+            await self._writer.commit()
+            for _ in range(self._readers_n):
+                conn = await self._connect(readonly=True)
+                self._all_readers.append(conn)
+                self._readers.put_nowait(conn)
+        except (sqlite3.Error, OSError) as exc:
+            await self.aclose()
+            raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+
+    async def _connect(self, *, readonly: bool = False) -> aiosqlite.Connection:
+        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        await conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+        await conn.execute("PRAGMA journal_mode = WAL")
+        await conn.execute("PRAGMA synchronous = NORMAL")
+        if readonly:
+            await conn.execute("PRAGMA query_only = 1")
+        return conn
+
+    async def aclose(self) -> None:
+        """Close readers, then the writer. Idempotent."""
+        readers, self._all_readers = self._all_readers, []
+        for conn in reversed(readers):
+            with contextlib.suppress(sqlite3.Error, ValueError):
+                await conn.close()
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with contextlib.suppress(sqlite3.Error, ValueError):
+                await writer.close()
+
+    @property
+    def writer(self) -> aiosqlite.Connection:
+        if self._writer is None:
+            raise StoreError("the store is not open")
+        return self._writer
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[aiosqlite.Connection]:
+        if not self._all_readers:
+            raise StoreError("the store is not open")
+        conn = await self._readers.get()
+        try:
+            yield conn
+        finally:
+            self._readers.put_nowait(conn)
+
+    # -- writes ------------------------------------------------------------------------
+
+    async def commit(self, turns: Sequence[Turn]) -> None:
+        """Store a batch in one transaction: messages, their index, and outbox rows 'done'.
+
+        Raises:
+            sqlite3.Error: the transaction failed and was rolled back; nothing was stored.
+        """
+        db = self.writer
+        now = time.time()
+        sessions = session_rows(turns, self._source, now)
+        messages = [row for t in turns for row in t.rows]
+        done = [(t.key, t.session_id, t.segment, t.accepted_at, now) for t in turns]
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            async with db.execute("SELECT coalesce(max(id), 0) FROM messages") as cur:
+                row = await cur.fetchone()
+            first = row[0] if row else 0
+            await db.executemany(_INSERT_SESSION, sessions)
+            await db.executemany(_INSERT_MESSAGE, messages)
+            await self._index(first)
+            await db.executemany(_INSERT_DONE, done)
+            await db.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                await db.execute("ROLLBACK")
+            raise
+
+    async def _index(self, after_id: int) -> None:
+        """Index every message inserted by this transaction (ids above ``after_id``)."""
+        await self.writer.execute(_INDEX_BATCH, (after_id,))
+
+    async def dead_letter(self, turn: Turn, error: str, attempts: int, payload: bytes) -> None:
+        """Keep a turn that cannot be stored, with why; it is no longer retried."""
+        db = self.writer
+        now = time.time()
+        await db.execute(
+            _INSERT_DEAD,
+            (turn.key, turn.session_id, turn.segment, attempts, error[:2000], payload,
+             turn.accepted_at, now),
+        )
+
+    async def done_keys(self, keys: Iterable[str]) -> set[str]:
+        """Which of these turn keys the store already holds (done or dead)."""
+        keys = list(keys)
+        found: set[str] = set()
+        db = self.writer
+        for i in range(0, len(keys), _KEY_CHUNK):
+            chunk = keys[i : i + _KEY_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            async with db.execute(f"SELECT key FROM outbox WHERE key IN ({marks})", chunk) as cur:
+                found.update(r[0] for r in await cur.fetchall())
+        return found
+
+    async def next_segment(self) -> int:
+        """One past the highest outbox segment any stored key came from."""
+        async with self.writer.execute("SELECT coalesce(max(segment), 0) + 1 FROM outbox") as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 1
+
+    async def prune_outbox(self, below_segment: int) -> int:
+        """Forget 'done' keys whose outbox segment is gone: they can never be replayed."""
+        cur = await self.writer.execute(
+            "DELETE FROM outbox WHERE status = 'done' AND segment < ?", (below_segment,)
+        )
+        return cur.rowcount
+
+    # -- reads -------------------------------------------------------------------------
+
+    async def search(self, match: str, *, limit: int, snippet_tokens: int) -> list[Hit]:
+        """Run one FTS5 MATCH expression (already quoted and scoped by the caller)."""
+        async with self.reader() as db, db.execute(_SEARCH, (snippet_tokens, match, limit)) as cur:
+            rows = await cur.fetchall()
+        return [Hit(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+    async def refresh_frequent_terms(self, min_rows: int) -> frozenset[str]:
+        """Terms in more than ``min_rows`` messages: too common to rank on."""
+        async with self.reader() as db, db.execute(
+            "SELECT term FROM messages_vocab WHERE col = 'content' AND doc > ?", (min_rows,)
+        ) as cur:
+            rows = await cur.fetchall()
+        self.frequent_terms = frozenset(r[0] for r in rows)
+        return self.frequent_terms
+
+    async def get_messages(self, session_id: str) -> list[dict[str, Any]]:
+        """A session's messages in order, as seed 001's ``get_messages``."""
+        async with self.reader() as db:
+            db.row_factory = aiosqlite.Row
+            try:
+                async with db.execute(
+                    "SELECT id, session_id, turn_key, role, content, tool_calls, tool_call_id, "
+                    "tool_name, timestamp, user_id, metadata FROM messages "
+                    "WHERE session_id = ? ORDER BY id",
+                    (session_id,),
+                ) as cur:
+                    rows = await cur.fetchall()
+            finally:
+                db.row_factory = None
+        out = []
+        for r in rows:
+            msg = dict(r)
+            for name in ("tool_calls", "metadata"):
+                if msg[name]:
+                    msg[name] = json.loads(msg[name])
+            out.append(msg)
+        return out
+
+    async def get_session(self, session_id: str) -> dict[str, Any] | None:
+        async with self.reader() as db:
+            db.row_factory = aiosqlite.Row
+            try:
+                async with db.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)) as cur:
+                    row = await cur.fetchone()
+            finally:
+                db.row_factory = None
+        return dict(row) if row else None
+
+    async def dead_letters(self, limit: int = 100) -> list[DeadLetter]:
+        async with self.reader() as db, db.execute(
+            "SELECT key, session_id, attempts, last_error, updated_at FROM outbox "
+            "WHERE status = 'dead' ORDER BY updated_at LIMIT ?",
+            (limit,),
+        ) as cur:
+            rows = await cur.fetchall()
+        return [DeadLetter(*r) for r in rows]
+
+    async def count_dead(self) -> int:
+        async with self.reader() as db, db.execute(
+            "SELECT count(*) FROM outbox WHERE status = 'dead'"
+        ) as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
