@@ -26,6 +26,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -105,7 +106,7 @@ class Outbox:
         self._segments: dict[int, _Segment] = {}
         self._tail: _Segment | None = None
         self._spare: _Segment | None = None
-        self._queue: collections.deque[Turn] = collections.deque()
+        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
         self._queued_bytes = 0
         # Set while turns wait on disk only; everything accepted then goes to disk only
         # too, so per-session order holds when the writer reads them back.
@@ -184,8 +185,9 @@ class Outbox:
 
     # -- accept (any thread) -------------------------------------------------------------
 
-    def put(self, turn: Turn, payload: bytes) -> bool:
-        """Make ``turn`` durable and queue it; returns True when it was deferred to disk.
+    def put(self, turn: Turn, payload: bytes) -> tuple[Turn, bool]:
+        """Make ``turn`` durable and queue it; returns it numbered, and whether it was
+        deferred to disk (queued turns are read back from there later).
 
         Raises:
             QueueFullError: the queue is full and the policy is "reject"; nothing stored.
@@ -212,17 +214,17 @@ class Outbox:
             tail.offset = off + 8 + size
             tail.appended += 1
             self._seq += 1
-            turn.seq = self._seq
-            turn.segment = tail.number
-            turn.nbytes = size
+            turn = turn._replace(seq=self._seq, segment=tail.number, nbytes=size)
             if self._spill is not None or full:
                 if self._spill is None:
                     self._spill = _Cursor(tail.number, off)
                 self._spilled += 1
-                return True
-            self._queue.append(turn)
+                return turn, True
+            # Queued packed flat, which the garbage collector stops tracking: a backlog then
+            # never makes a full collection (a loop stall) longer or more frequent.
+            self._queue.append(turn.pack())
             self._queued_bytes += size
-            return False
+            return turn, False
 
     def _roll(self, size: int) -> _Segment:
         assert self._tail is not None
@@ -245,8 +247,9 @@ class Outbox:
         """Up to ``max_turns`` queued turns, oldest first."""
         with self._lock:
             q = self._queue
+            make = Turn.unpack
             n = min(max_turns, len(q))
-            batch = [q.popleft() for _ in range(n)]
+            batch = [make(q.popleft()) for _ in range(n)]
             self._queued_bytes -= sum(t.nbytes for t in batch)
             return batch
 
@@ -308,12 +311,11 @@ class Outbox:
                     break
                 payload = bytes(seg.mm[cur.offset + 8 : cur.offset + 8 + size])
                 try:
-                    turn = Turn.decode(payload, seg.number)
+                    turn = Turn.decode(payload, seg.number, self._clock())
                 except (ValueError, KeyError, TypeError) as exc:
                     raise CorruptOutboxError(
                         f"record at {seg.path}:{cur.offset} does not decode"
                     ) from exc
-                turn.accepted_mono = self._clock()
                 out.turns.append(turn)
                 used += size
                 cur = _Cursor(cur.segment, cur.offset + 8 + size)
@@ -358,7 +360,7 @@ class Outbox:
 
     def counts(self) -> OutboxCounts:
         with self._lock:
-            oldest = self._queue[0].accepted_mono if self._queue else None
+            oldest = Turn.unpack(self._queue[0]).accepted_mono if self._queue else None
             return OutboxCounts(
                 queued_turns=len(self._queue),
                 queued_bytes=self._queued_bytes,

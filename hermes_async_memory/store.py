@@ -154,27 +154,55 @@ class DeadLetter:
     updated_at: float
 
 
-def session_rows(turns: Sequence[Turn], source: str, now: float) -> list[tuple[Any, ...]]:
-    """One upsert row per session in the batch, with its counters summed."""
-    acc: dict[str, list[Any]] = {}
-    for t in turns:
-        row = acc.get(t.session_id)
-        fields = t.session_fields() if t.metadata else {}
-        if row is None:
-            row = acc[t.session_id] = [
-                t.session_id, str(fields.get("source") or source), t.user_id,
-                fields.get("model"), fields.get("parent_session_id"), t.accepted_at, now,
-                0, 0, 0, 0,
-            ]
-        elif fields:
-            row[3] = fields.get("model") or row[3]
-            row[4] = row[4] or fields.get("parent_session_id")
-        row[7] += len(t.rows)
-        row[8] += t.tool_calls
-        if fields:
-            row[9] += _int(fields.get("input_tokens"))
-            row[10] += _int(fields.get("output_tokens"))
-    return [tuple(r) for r in acc.values()]
+class Batch:
+    """The parameters of one group commit, built up a chunk of turns at a time.
+
+    Building them is Python work on the event loop; the writer adds turns in chunks and
+    yields between them, so a 1,000-turn batch never holds the loop for long.
+    """
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.turns: list[Turn] = []
+        self.messages: list[tuple[Any, ...]] = []
+        self.done: list[tuple[Any, ...]] = []
+        self._sessions: dict[str, list[Any]] = {}
+
+    @classmethod
+    def of(cls, turns: Sequence[Turn], source: str) -> Batch:
+        batch = cls(source)
+        batch.add(turns)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.turns)
+
+    def add(self, turns: Sequence[Turn]) -> None:
+        now = time.time()
+        acc = self._sessions
+        self.turns.extend(turns)
+        for t in turns:
+            self.messages.extend(t.rows)
+            self.done.append((t.key, t.session_id, t.segment, t.accepted_at))
+            row = acc.get(t.session_id)
+            fields = t.session_fields() if t.metadata else None
+            if row is None:
+                src = (fields or {}).get("source") or self.source
+                row = acc[t.session_id] = [
+                    t.session_id, str(src), t.user_id, None, None, t.accepted_at, now, 0, 0, 0, 0,
+                ]
+            row[6] = now
+            row[7] += len(t.rows)
+            row[8] += t.tool_calls
+            if fields:
+                row[3] = fields.get("model") or row[3]
+                row[4] = row[4] or fields.get("parent_session_id")
+                row[9] += _int(fields.get("input_tokens"))
+                row[10] += _int(fields.get("output_tokens"))
+
+    def session_rows(self) -> list[tuple[Any, ...]]:
+        """One upsert row per session in the batch, with its counters summed."""
+        return [tuple(r) for r in self._sessions.values()]
 
 
 def _int(value: object) -> int:
@@ -189,7 +217,7 @@ class SqliteStore:
         self.path = Path(path)
         self._readers_n = readers
         self._busy_timeout_ms = busy_timeout_ms
-        self._source = source
+        self.source = source
         self._writer: aiosqlite.Connection | None = None
         self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
         self._all_readers: list[aiosqlite.Connection] = []
@@ -272,6 +300,10 @@ class SqliteStore:
     # -- writes ------------------------------------------------------------------------
 
     async def commit(self, turns: Sequence[Turn]) -> None:
+        """Store ``turns`` in one transaction (see ``commit_batch``)."""
+        await self.commit_batch(Batch.of(turns, self.source))
+
+    async def commit_batch(self, batch: Batch) -> None:
         """Store a batch in one transaction: messages, their index, and outbox rows 'done'.
 
         Raises:
@@ -279,16 +311,14 @@ class SqliteStore:
         """
         db = self.writer
         now = time.time()
-        sessions = session_rows(turns, self._source, now)
-        messages = [row for t in turns for row in t.rows]
-        done = [(t.key, t.session_id, t.segment, t.accepted_at, now) for t in turns]
+        done = [(*d, now) for d in batch.done]
         await db.execute("BEGIN IMMEDIATE")
         try:
             async with db.execute("SELECT coalesce(max(id), 0) FROM messages") as cur:
                 row = await cur.fetchone()
             first = row[0] if row else 0
-            await db.executemany(_INSERT_SESSION, sessions)
-            await db.executemany(_INSERT_MESSAGE, messages)
+            await db.executemany(_INSERT_SESSION, batch.session_rows())
+            await db.executemany(_INSERT_MESSAGE, batch.messages)
             await self._index(first)
             await db.executemany(_INSERT_DONE, done)
             await db.execute("COMMIT")

@@ -5,19 +5,19 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import InvalidTurnError
 
 # One stored message: (role, content, tool_calls_json, tool_call_id, tool_name).
 MessageRow = tuple[str, str, "str | None", "str | None", "str | None"]
 
+_PACK_HEAD = 10
+_ROW_WIDTH = 12
 _SESSION_FIELDS = ("source", "model", "parent_session_id", "input_tokens", "output_tokens")
 
 
-@dataclass(frozen=True, slots=True)
-class Receipt:
+class Receipt(NamedTuple):
     """What sync_turn hands back: the turn is durable once you hold this."""
 
     key: str
@@ -27,36 +27,48 @@ class Receipt:
     deferred: bool = False
 
 
-@dataclass(slots=True)
-class Turn:
-    """An accepted turn on its way to the store."""
+class Turn(NamedTuple):
+    """An accepted turn on its way to the store.
+
+    A tuple of atomic values and tuples, so the cyclic garbage collector stops tracking it:
+    a backlog of queued turns then adds nothing to the cost of a full collection, which
+    would otherwise stall the event loop for tens of milliseconds under load.
+    """
 
     key: str
     seq: int
     session_id: str
     user_id: str | None
     accepted_at: float
-    messages: list[MessageRow]
+    messages: tuple[MessageRow, ...]
     metadata: dict[str, Any] | None
     nbytes: int
-    segment: int = 0
-    accepted_mono: float = 0.0
+    segment: int
+    accepted_mono: float
     # The messages as store rows, built once on the accept path so the writer only
-    # concatenates lists (its Python work runs on the event loop).
-    rows: list[tuple[Any, ...]] = field(default_factory=list)
-    tool_calls: int = 0
+    # concatenates them (its Python work runs on the event loop).
+    rows: tuple[tuple[Any, ...], ...]
+    tool_calls: int
 
-    def prepare(self) -> Turn:
-        """Build ``rows`` and the counters from ``messages``."""
-        scope = scope_tokens(self.user_id, self.session_id)
-        md = json.dumps(self.metadata, ensure_ascii=False) if self.metadata else None
-        sid, key, ts, uid = self.session_id, self.key, self.accepted_at, self.user_id
-        self.rows = [
-            (sid, key, i, role, content, calls, call_id, name, ts, uid, scope, md)
-            for i, (role, content, calls, call_id, name) in enumerate(self.messages)
-        ]
-        self.tool_calls = sum(1 for m in self.messages if m[0] == "tool" or m[2])
-        return self
+    @classmethod
+    def build(
+        cls, *, key: str, session_id: str, user_id: str | None, accepted_at: float,
+        messages: Sequence[MessageRow], metadata: dict[str, Any] | None,
+        accepted_mono: float = 0.0, nbytes: int = 0, segment: int = 0,
+    ) -> Turn:
+        scope = scope_tokens(user_id, session_id)
+        md = json.dumps(metadata, ensure_ascii=False) if metadata else None
+        msgs = tuple(messages)
+        # A list first: the tuple is then allocated after its items, so one collector pass
+        # finds them untracked and untracks it too.
+        rows = tuple([
+            (session_id, key, i, role, content, calls, call_id, name, accepted_at, user_id,
+             scope, md)
+            for i, (role, content, calls, call_id, name) in enumerate(msgs)
+        ])
+        tool_calls = sum(1 for m in msgs if m[0] == "tool" or m[2])
+        return cls(key, 0, session_id, user_id, accepted_at, msgs, metadata, nbytes, segment,
+                   accepted_mono, rows, tool_calls)
 
     @property
     def scope(self) -> str:
@@ -77,6 +89,28 @@ class Turn:
                 return content
         return ""
 
+    def pack(self) -> tuple[Any, ...]:
+        """A flat tuple of atomic values: the form a turn waits in the queue in.
+
+        The cyclic collector untracks a tuple of atomic values the first time it sees it, and
+        never a NamedTuple or a nested tuple whose parts it has not untracked yet; so a
+        backlog packed flat adds nothing to full collections, which stall the event loop for
+        milliseconds per ten thousand tracked objects.
+        """
+        md = json.dumps(self.metadata, ensure_ascii=False) if self.metadata else None
+        head = (self.key, self.seq, self.session_id, self.user_id, self.accepted_at, md,
+                self.nbytes, self.segment, self.accepted_mono, self.tool_calls)
+        return head + tuple([v for row in self.rows for v in row])
+
+    @classmethod
+    def unpack(cls, flat: tuple[Any, ...]) -> Turn:
+        key, seq, sid, uid, at, md, nbytes, segment, mono, tool_calls = flat[:_PACK_HEAD]
+        rows = tuple([flat[i : i + _ROW_WIDTH] for i in range(_PACK_HEAD, len(flat), _ROW_WIDTH)])
+        messages = tuple([r[3:8] for r in rows])
+        metadata = json.loads(md) if md else None
+        return cls(key, seq, sid, uid, at, messages, metadata, nbytes, segment, mono, rows,  # type: ignore[arg-type]
+                   tool_calls)
+
     def encode(self) -> bytes:
         """The outbox record; raises UnicodeEncodeError on lone surrogates."""
         doc = {
@@ -90,19 +124,19 @@ class Turn:
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
     @classmethod
-    def decode(cls, payload: bytes, segment: int = 0) -> Turn:
+    def decode(cls, payload: bytes, segment: int = 0, accepted_mono: float = 0.0) -> Turn:
         doc = json.loads(payload)
-        return cls(
+        return cls.build(
             key=doc["k"],
-            seq=0,
             session_id=doc["s"],
             user_id=doc["u"],
             accepted_at=doc["t"],
             messages=[tuple(m) for m in doc["m"]],  # type: ignore[misc]
             metadata=doc["d"],
+            accepted_mono=accepted_mono,
             nbytes=len(payload),
             segment=segment,
-        ).prepare()
+        )
 
     def session_fields(self) -> dict[str, Any]:
         """Metadata keys that describe the session row (source, model, tokens, parent)."""

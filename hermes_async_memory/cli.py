@@ -1,0 +1,85 @@
+"""The ``hermes-memory`` command.
+
+    hermes-memory worker [--db PATH] [--deadline SECONDS] [--demo] [--log-format json|console]
+
+Each subcommand's module is imported only when that subcommand runs. Errors are one line on
+stderr: exit 2 for a usage or configuration error, 1 for a store or file-system error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from .errors import ConfigurationError, HermesMemoryError
+
+PROG = "hermes-memory"
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="An asyncio memory pipeline for AI agents: never blocks a turn, never "
+                    "loses a turn.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # The worker parses its own options (workers.main.build_parser), so they are defined once
+    # for both `python -m workers` and `hermes-memory worker`.
+    commands.add_parser(
+        "worker", add_help=False,
+        help="run the long-lived worker process (see: hermes-memory worker --help)",
+        description="Run the long-lived worker process.",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``hermes-memory``; returns the exit code."""
+    parser = build_parser()
+    try:
+        args, rest = parser.parse_known_args(argv)
+        if args.command not in _FORWARDING and rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        return _COMMANDS[args.command](args, rest)
+    except SystemExit as exc:  # --help, or a usage error argparse has already printed
+        return _code(exc)
+    except ConfigurationError as exc:
+        return _fail(exc, EXIT_USAGE)
+    except (HermesMemoryError, OSError) as exc:
+        return _fail(exc, EXIT_FAILURE)
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _worker(args: argparse.Namespace, rest: list[str]) -> int:
+    from workers.main import main as worker_main
+
+    return worker_main(rest, prog=f"{PROG} worker")
+
+
+_COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {"worker": _worker}
+# Commands that hand their remaining arguments to a parser of their own.
+_FORWARDING = frozenset({"worker"})
+
+
+def _fail(exc: BaseException, code: int) -> int:
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,97 @@
+"""Logging set-up for entry points (the CLI, the worker process). Library modules never call it.
+
+Modules only do ``log = structlog.get_logger(__name__)``; ``configure_logging`` is the one place
+that calls ``structlog.configure``. Lines go to stderr, so stdout stays for what a command prints.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import structlog
+from structlog.typing import Processor, WrappedLogger
+
+from .errors import ConfigurationError
+
+REDACTED = "***"
+# A key is secret when its lower-cased name contains one of these ("HONCHO_API_KEY",
+# "client_secret", "Authorization", "x-api-key" once "-" is read as "_").
+SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd", "authorization")
+# "token" is matched as a word (or a word's end: "access_token", "authtoken"), not as a
+# substring: "input_tokens" and "recall_snippet_tokens" are counts, not credentials.
+TOKEN_MARKER = "token"
+
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+_MAX_DEPTH = 4
+
+
+def is_secret_key(key: object) -> bool:
+    """Whether a log field of this name holds a credential."""
+    if not isinstance(key, str):
+        return False
+    name = key.lower().replace("-", "_")
+    if any(marker in name for marker in SECRET_MARKERS):
+        return True
+    return any(part.endswith(TOKEN_MARKER) for part in name.split("_"))
+
+
+def _redact(value: Any, depth: int) -> Any:
+    if depth >= _MAX_DEPTH:
+        return value
+    if isinstance(value, Mapping):
+        return {
+            k: REDACTED if is_secret_key(k) else _redact(v, depth + 1) for k, v in value.items()
+        }
+    if isinstance(value, (list, tuple)):
+        return type(value)(_redact(v, depth + 1) for v in value)
+    return value
+
+
+def redact_secrets(
+    logger: WrappedLogger, method_name: str, event_dict: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """A structlog processor: the value of every secret-named key, also nested, becomes "***"."""
+    for key, value in event_dict.items():
+        if is_secret_key(key):
+            event_dict[key] = REDACTED
+        elif isinstance(value, (Mapping, list, tuple)):
+            event_dict[key] = _redact(value, 1)
+    return event_dict
+
+
+def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
+    """Send structlog lines to stderr: JSON when stderr is not a TTY (or ``json=True``).
+
+    Raises:
+        ConfigurationError: ``level`` is not one of debug, info, warning, error, critical.
+    """
+    try:
+        min_level = LEVELS[level.lower()]
+    except KeyError:
+        raise ConfigurationError(
+            f"log level must be one of {', '.join(LEVELS)}, got {level!r}"
+        ) from None
+    stream = sys.stderr
+    if json is None:
+        json = not stream.isatty()
+    processors: list[Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        redact_secrets,
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if json:
+        processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=stream.isatty()))
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(min_level),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
+        # Not cached: an entry point (or a test) that configures again must reach the
+        # module-level loggers too. The lookup costs ~1 µs, and lines are per batch.
+        cache_logger_on_first_use=False,
+    )

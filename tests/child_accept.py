@@ -1,0 +1,56 @@
+"""A process that accepts turns and prints each receipt, to be SIGKILLed by tests.
+
+    python child_accept.py DB MODE
+
+MODE "accept": accept forever. "in-commit": the first batch's transaction stays open (the
+writer is stuck inside it) while accepting goes on. "after-commit": the first batch commits,
+then the writer stops before the outbox learns it. Each receipt line is printed only after
+sync_turn returned, so a printed key is an acknowledged, durable turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory.store import Batch, SqliteStore
+
+
+class FrozenStore(SqliteStore):
+    """Stops forever at a chosen point of the first commit; a kill lands exactly there."""
+
+    def __init__(self, path: Path, mode: str) -> None:
+        super().__init__(path)
+        self.mode = mode
+
+    async def _index(self, after_id: int) -> None:
+        await super()._index(after_id)
+        if self.mode == "in-commit":
+            print("IN_COMMIT", flush=True)
+            await asyncio.Event().wait()
+
+    async def commit_batch(self, batch: Batch) -> None:
+        await super().commit_batch(batch)
+        if self.mode == "after-commit":
+            print("COMMITTED", len(batch), flush=True)
+            await asyncio.Event().wait()
+
+
+async def main(db: str, mode: str) -> None:
+    settings = Settings(db_path=Path(db), max_batch=200, max_queued_turns=2000)
+    async with MemoryPipeline(settings, store=FrozenStore(Path(db), mode)) as mem:
+        i = 0
+        while True:
+            session = f"s{i % 7}"
+            r = mem.sync_turn(f"user {i}", f"assistant {i}", session_id=session, user_id="u")
+            sys.stdout.write(f"ACK {r.key} {session} {i}\n")
+            sys.stdout.flush()
+            i += 1
+            if i % 25 == 0:
+                await asyncio.sleep(0)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
