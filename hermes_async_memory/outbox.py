@@ -198,7 +198,10 @@ class Outbox:
             tail = self._tail
             if tail is None:
                 raise StoreError("the outbox is closed")
-            full = len(self._queue) >= self._max_turns or self._queued_bytes + size > self._max_bytes
+            full = (
+                len(self._queue) >= self._max_turns
+                or self._queued_bytes + size > self._max_bytes
+            )
             if full and self._spill is None and self._overflow == "reject":
                 raise QueueFullError(
                     f"{len(self._queue)} turns ({self._queued_bytes} bytes) are queued; "

@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import structlog
 from anyio.abc import TaskStatus
 
@@ -37,7 +38,6 @@ from .errors import (
     FlushTimeoutError,
     InvalidTurnError,
     PipelineClosedError,
-    StoreError,
 )
 from .outbox import Outbox
 from .recall import match_expression, query_terms, render_hits
@@ -363,7 +363,9 @@ class MemoryPipeline:
     def _target(self) -> int:
         return self._recovered + self._outbox.accepted()
 
-    async def flush(self, session_id: str | None = None, timeout: float | None = None) -> None:
+    async def flush(
+        self, session_id: str | None = None, timeout: float | None = None  # noqa: ASYNC109
+    ) -> None:
         """Return once everything accepted before this call is committed and recallable.
 
         Turns are committed in accept order, so one barrier serves every session.
@@ -497,7 +499,7 @@ class MemoryPipeline:
             if not chunk:
                 break
             turns.extend(chunk)
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         if turns:
             return turns, False
         # The queue is empty but turns wait on disk (deferred, or left by an earlier run).
@@ -509,7 +511,7 @@ class MemoryPipeline:
                 break
             recovered = step.recovered
             turns.extend(step.turns)
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             if recovered and not self._outbox.recovering():
                 break  # recovered turns get their own batch: they need a done-keys check
         return turns, recovered
@@ -537,7 +539,7 @@ class MemoryPipeline:
         batch = Batch(self.store.source)
         for i in range(0, len(turns), _CHUNK):
             if i:
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             batch.add(turns[i : i + _CHUNK])
         attempt = 0
         while True:
@@ -617,14 +619,14 @@ class MemoryPipeline:
                 await anyio.sleep(self._backoff(attempt))
 
     def _backoff(self, attempt: int) -> float:
-        base = self.settings.commit_retry_base_s * (2 ** min(attempt, 10))
+        base = float(self.settings.commit_retry_base_s) * 2.0 ** min(attempt, 10)
         return min(_RETRY_CAP_S, base) * (0.5 + random.random() / 2)
 
     async def _settle(self, turns: list[Turn], *, committed: bool) -> None:
         """These turns are done with (stored, found stored, or dead-lettered), in order."""
         for i in range(0, len(turns), _CHUNK):
             if i:
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
             chunk = turns[i : i + _CHUNK]
             self._outbox.mark_done(chunk)
             self._processed += len(chunk)

@@ -111,7 +111,8 @@ INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, 
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
 _INDEX_BATCH = """
-INSERT INTO messages_fts (rowid, content, scope) SELECT id, content, scope FROM messages WHERE id > ?
+INSERT INTO messages_fts (rowid, content, scope)
+SELECT id, content, scope FROM messages WHERE id > ?
 """
 _INSERT_DONE = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, accepted_at, updated_at)
@@ -246,7 +247,8 @@ class SqliteStore:
                 )
                 # Rank on the text column only; the scope column is a filter, not evidence.
                 await self._writer.execute(
-                    "INSERT INTO messages_fts (messages_fts, rank) VALUES ('rank', 'bm25(1.0, 0.0)')"
+                    "INSERT INTO messages_fts (messages_fts, rank) "
+                    "VALUES ('rank', 'bm25(1.0, 0.0)')"
                 )
             elif row[0] > SCHEMA_VERSION:
                 raise StoreError(

@@ -108,7 +108,7 @@ class Turn(NamedTuple):
         rows = tuple([flat[i : i + _ROW_WIDTH] for i in range(_PACK_HEAD, len(flat), _ROW_WIDTH)])
         messages = tuple([r[3:8] for r in rows])
         metadata = json.loads(md) if md else None
-        return cls(key, seq, sid, uid, at, messages, metadata, nbytes, segment, mono, rows,  # type: ignore[arg-type]
+        return cls(key, seq, sid, uid, at, messages, metadata, nbytes, segment, mono, rows,
                    tool_calls)
 
     def encode(self) -> bytes:
@@ -131,7 +131,7 @@ class Turn(NamedTuple):
             session_id=doc["s"],
             user_id=doc["u"],
             accepted_at=doc["t"],
-            messages=[tuple(m) for m in doc["m"]],  # type: ignore[misc]
+            messages=[tuple(m) for m in doc["m"]],
             metadata=doc["d"],
             accepted_mono=accepted_mono,
             nbytes=len(payload),

@@ -6,6 +6,7 @@ from collections import Counter
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from hermes_async_memory import (
@@ -38,7 +39,7 @@ async def test_concurrent_sessions_store_every_turn_once_in_order(settings: Sett
                     mem.sync_turn(f"s{i} question {n}", f"s{i} answer {n}",
                                   session_id=f"s{i}", user_id=f"u{i % 50}")
                 )
-                await anyio.sleep(0)
+                await anyio.lowlevel.checkpoint()
 
         async with anyio.create_task_group() as tg:
             for i in range(SESSIONS):

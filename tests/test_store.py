@@ -1,0 +1,91 @@
+"""The store under faults: a locked file is retried, a poison turn is dead-lettered alone."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import anyio
+import pytest
+
+from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory.store import Batch, SqliteStore
+
+from .helpers import count_rows, stored_turns
+
+
+async def test_a_locked_store_is_retried_and_nothing_is_dead_lettered(tmp_path: Path) -> None:
+    settings = Settings(db_path=tmp_path / "m.db", busy_timeout_ms=20, commit_retry_base_s=0.005)
+    hit_lock = anyio.Event()
+
+    class Observed(SqliteStore):
+        async def commit_batch(self, batch: Batch) -> None:
+            try:
+                await super().commit_batch(batch)
+            except sqlite3.OperationalError:
+                hit_lock.set()
+                raise
+
+    store = Observed(settings.db_path, busy_timeout_ms=settings.busy_timeout_ms)
+    async with MemoryPipeline(settings, store=store) as mem:
+        mem.sync_turn("before", "lock", session_id="s")
+        await mem.flush()
+        other = sqlite3.connect(settings.db_path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        try:
+            for i in range(100):
+                mem.sync_turn(f"during {i}", "lock", session_id="s")
+            with anyio.fail_after(10):
+                await hit_lock.wait()
+        finally:
+            other.execute("COMMIT")
+            other.close()
+        await mem.flush()
+        stats = mem.stats()
+        assert stats.commit_retries >= 1
+        assert stats.dead_letters == 0
+    users = [c for _, role, c in stored_turns(settings.db_path)["s"] if role == "user"]
+    assert users == ["before"] + [f"during {i}" for i in range(100)]
+
+
+async def test_a_poison_turn_is_dead_lettered_and_its_session_goes_on(tmp_path: Path) -> None:
+    settings = Settings(db_path=tmp_path / "m.db", commit_retry_base_s=0.001)
+
+    class Picky(SqliteStore):
+        """Rejects one turn the way a constraint or a driver would; a fault we cannot cause."""
+
+        async def commit_batch(self, batch: Batch) -> None:
+            if any("POISON" in t.user_text for t in batch.turns):
+                raise sqlite3.DataError("value rejected by the store")
+            await super().commit_batch(batch)
+
+    async with MemoryPipeline(settings, store=Picky(settings.db_path)) as mem:
+        for i in range(300):
+            text = "POISON" if i == 150 else f"turn {i}"
+            mem.sync_turn(text, "r", session_id=f"s{i % 3}")
+        with anyio.fail_after(30):
+            await mem.flush()
+        assert mem.stats().dead_letters == 1
+        dead = await mem.store.dead_letters()
+        assert len(dead) == 1
+        assert dead[0].session_id == "s0" and "value rejected" in dead[0].last_error
+        assert dead[0].attempts == settings.commit_max_attempts
+    stored = stored_turns(settings.db_path)
+    for s in range(3):
+        users = [c for _, role, c in stored[f"s{s}"] if role == "user"]
+        assert users == [f"turn {i}" for i in range(300) if i % 3 == s and i != 150]
+    assert count_rows(settings.db_path, "SELECT count(*) FROM outbox WHERE status = 'dead'") == 1
+    # Settled: the next start does not retry it.
+    async with MemoryPipeline(settings) as again:
+        await again.flush()
+        assert again.stats().committed_turns == 0
+
+
+async def test_opening_something_that_is_not_a_store_is_a_clear_error(tmp_path: Path) -> None:
+    from hermes_async_memory import StoreError
+
+    bogus = tmp_path / "notes.db"
+    bogus.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(StoreError, match="cannot open"):
+        async with MemoryPipeline(Settings(db_path=bogus)):
+            pass
