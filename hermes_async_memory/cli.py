@@ -46,11 +46,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         return _COMMANDS[args.command](args, rest)
     except SystemExit as exc:  # --help, or a usage error argparse has already printed
-        return _code(exc)
+        return exit_code(exc)
     except ConfigurationError as exc:
-        return _fail(exc, EXIT_USAGE)
+        return fail(PROG, exc, EXIT_USAGE)
     except (HermesMemoryError, OSError) as exc:
-        return _fail(exc, EXIT_FAILURE)
+        return fail(PROG, exc, EXIT_FAILURE)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
 
@@ -66,13 +66,15 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {"worker"
 _FORWARDING = frozenset({"worker"})
 
 
-def _fail(exc: BaseException, code: int) -> int:
+def fail(prog: str, exc: BaseException, code: int) -> int:
+    """Print ``exc`` as one line on stderr and return ``code``."""
     message = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+    print(f"{prog}: error: {message}", file=sys.stderr)
     return code
 
 
-def _code(exc: SystemExit) -> int:
+def exit_code(exc: SystemExit) -> int:
+    """The exit status a ``SystemExit`` stands for."""
     if exc.code is None:
         return 0
     if isinstance(exc.code, int):

@@ -17,6 +17,8 @@ that is what makes a replay exactly-once.
 from __future__ import annotations
 
 import collections
+import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -43,6 +45,40 @@ _SUFFIX = ".seg"
 # The next segment is created ahead of need once the current one is this full, so that
 # sync_turn does not pay for a file creation.
 _SPARE_AT = 0.5
+_PAGE = mmap.PAGESIZE
+_PREFAULT_BYTES = 4 * 1024 * 1024
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching them
+
+
+def _load_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+def _populate_write(addr: int, length: int) -> None:
+    # Through ctypes, which lets go of the GIL while the kernel works. An old kernel answers
+    # EINVAL and the pages simply fault on first use, as without this.
+    global _madvise
+    if _madvise is not None and _madvise(addr, length, _MADV_POPULATE_WRITE) != 0:
+        if ctypes.get_errno() == errno.EINVAL:
+            _madvise = None
+
+
+def _address(mm: mmap.mmap) -> int:
+    view = ctypes.c_char.from_buffer(mm)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view  # release the buffer export, or the mapping could not be closed
 
 
 @dataclass(eq=False)
@@ -55,6 +91,8 @@ class _Segment:
     appended: int = 0
     done: int = 0
     sealed: bool = False
+    addr: int = 0  # where the mapping starts in memory, for madvise
+    populated_to: int = 0  # pages below this were faulted in ahead of the accept path
 
     def close(self) -> None:
         self.mm.close()
@@ -125,9 +163,11 @@ class Outbox:
         Raises:
             StoreError: the directory is locked by another process or cannot be used.
         """
-        self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        lock_path = self._dir / "LOCK"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self._dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise StoreError(f"cannot use the outbox directory {self._dir}: {exc}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
@@ -357,6 +397,32 @@ class Outbox:
             # Under the lock, so an accept that rolls over meanwhile cannot race for the name.
             self._spare = self._map(tail.number + 1, create=True)
 
+    def prefault_plan(self) -> list[tuple[int, int]]:
+        """Address ranges ahead of the tail (and of the spare) to fault in off the loop.
+
+        The first write to a page of the mapping faults, and on ext4 that fault updates the
+        file's times under the filesystem journal: milliseconds when the disk is busy, inside
+        sync_turn. Faulting the pages in ahead of need moves that wait to a worker thread.
+        """
+        plan = []
+        with self._lock:
+            for seg in (self._tail, self._spare):
+                if seg is None or not seg.addr or seg.populated_to >= seg.size:
+                    continue
+                if seg.populated_to - seg.offset > _PREFAULT_BYTES // 2:
+                    continue
+                start = max(seg.populated_to, seg.offset - seg.offset % _PAGE)
+                end = min(seg.size, start + _PREFAULT_BYTES)
+                seg.populated_to = end
+                plan.append((seg.addr + start, end - start))
+        return plan
+
+    @staticmethod
+    def prefault(plan: list[tuple[int, int]]) -> None:
+        """Run a prefault plan; blocking, so call it in a worker thread. Never writes data."""
+        for addr, length in plan:
+            _populate_write(addr, length)
+
     def oldest_segment(self) -> int:
         with self._lock:
             return min(self._segments) if self._segments else 0
@@ -409,7 +475,7 @@ class Outbox:
                 os.close(fd)
         except OSError as exc:
             raise StoreError(f"cannot map outbox segment {path}: {exc}") from exc
-        return _Segment(number=number, path=path, size=size, mm=mm)
+        return _Segment(number=number, path=path, size=size, mm=mm, addr=_address(mm))
 
     def _scan(self, seg: _Segment) -> None:
         mm, off, end = seg.mm, 0, seg.size

@@ -48,14 +48,20 @@ from .turns import Receipt, Turn, check_id, sanitize, scope_token_for, turn_mess
 
 log = structlog.get_logger(__name__)
 
+
+class _Stopping(BaseException):
+    """Shutdown reached a writer that is retrying a failing store: leave the batch durable
+    in the outbox, unsettled, so nothing after it is committed out of order."""
+
 _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
 # Turns handled per step of the writer's Python work (unpacking, building parameters,
 # refreshing the cache), with a yield to the loop between steps: ~0.5 ms a step.
 _CHUNK = 100
-# How long the writer may finish the batch it holds once shutdown stops it.
-_WRITER_GRACE_S = 30.0
+# A recall waits at most this long for the turns accepted before it was queued.
+_RECALL_BARRIER_S = 1.0
 _RETRY_CAP_S = 5.0
 _REPLICA_QUEUE = 10_000
+_MAINTAIN_EVERY_S = 1.0
 
 
 class MemoryPipeline:
@@ -104,6 +110,7 @@ class MemoryPipeline:
         self._writer_done: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
         self._writer_stop = False
+        self._worker_error: BaseException | None = None
         self._hurry = False
         # Flush barrier: turns are processed strictly in accept order, so "the first N
         # accepted are done" is a count.
@@ -112,12 +119,13 @@ class MemoryPipeline:
         self._committed = 0
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._waiter_ids = itertools.count()
-        self._pending_recalls: dict[str, tuple[str, str | None]] = {}
+        self._pending_recalls: dict[str, tuple[str, str | None, int]] = {}
         self._inflight: dict[tuple[str, tuple[str, ...]], asyncio.Future[str]] = {}
         self._replica: deque[list[Turn]] = deque()
         self._replica_work: asyncio.Event | None = None
         self._meter = Meter()
         self._rows_since_vocab = 0
+        self._vocab_next = 0.0
         self._counts = {
             "recalls_run": 0, "recalls_shared": 0, "recalls_shed": 0, "recall_errors": 0,
             "commit_retries": 0, "dead_letters": 0, "sanitized": 0, "replica_errors": 0,
@@ -158,7 +166,8 @@ class MemoryPipeline:
         try:
             first_segment = await self.store.next_segment()
             self._recovered = self._outbox.open(first_segment)
-            await self.store.refresh_frequent_terms(self.settings.frequent_term_rows)
+            await self._prefault()
+            await self._refresh_vocab()
             await self.backend.startup()
         except BaseException:
             self._outbox.close()
@@ -183,7 +192,13 @@ class MemoryPipeline:
     def _runner_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None and self._state == _OPEN:
             # Accepted turns stay durable in the outbox; the next start commits them.
+            self._worker_error = task.exception()
             log.critical("pipeline_workers_failed", error=repr(task.exception()))
+
+    @property
+    def worker_error(self) -> BaseException | None:
+        """What stopped the background workers, if they died; None while they are healthy."""
+        return self._worker_error
 
     async def _run(self, ready: asyncio.Event) -> None:
         assert self._stop is not None
@@ -234,7 +249,8 @@ class MemoryPipeline:
         assert self._work is not None and self._writer_done is not None and self._stop
         self._writer_stop = True
         self._work.set()
-        with anyio.move_on_after(_WRITER_GRACE_S):
+        # The writer stops after the statement it is in; one busy timeout bounds that.
+        with anyio.move_on_after(self.settings.busy_timeout_ms / 1000 + 1.0):
             await self._writer_done.wait()
         self._stop.set()
         if self._runner is not None:
@@ -336,7 +352,9 @@ class MemoryPipeline:
         if session_id not in pending and len(pending) >= self.settings.max_pending_recalls:
             pending.pop(next(iter(pending)))  # the oldest request; counted, never silent
             self._counts["recalls_shed"] += 1
-        pending[session_id] = (query, user_id)
+        # The recall runs once the turns accepted before it are committed: a session asking
+        # right after its own sync_turn finds that turn.
+        pending[session_id] = (query, user_id, self._target())
         assert self._recall_work is not None
         self._recall_work.set()
 
@@ -485,7 +503,10 @@ class MemoryPipeline:
                     await anyio.sleep(s.max_wait_ms / 1000)  # the group-commit window
                 turns, recovered = await self._next_batch()
                 if turns:
-                    await self._write_batch(turns, recovered)
+                    try:
+                        await self._write_batch(turns, recovered)
+                    except _Stopping:
+                        return
                 if self._writer_stop:
                     return  # shutdown: what is left stays in the outbox
         finally:
@@ -552,6 +573,8 @@ class MemoryPipeline:
                 attempt += 1
                 self._counts["commit_retries"] += 1
                 log.warning("batch_retry", turns=len(turns), attempt=attempt, error=str(exc))
+                if self._writer_stop:
+                    raise _Stopping from exc  # shutdown: the batch stays in the outbox
                 await anyio.sleep(self._backoff(attempt))
             except sqlite3.IntegrityError as exc:
                 remaining = await self._drop_stored(turns)
@@ -570,6 +593,7 @@ class MemoryPipeline:
         self._rows_since_vocab += rows
         await self._settle(turns, committed=True)
         self._outbox.prepare_spare()
+        await self._prefault()
         self._hand_to_replica(turns)
         log.info(
             "batch_committed", turns=len(turns), rows=rows,
@@ -616,6 +640,8 @@ class MemoryPipeline:
                 attempt += 1
                 self._counts["commit_retries"] += 1
                 log.warning("store_retry", attempt=attempt, error=str(exc))
+                if self._writer_stop:
+                    raise _Stopping from exc
                 await anyio.sleep(self._backoff(attempt))
 
     def _backoff(self, attempt: int) -> float:
@@ -683,7 +709,10 @@ class MemoryPipeline:
                 await self._recall_work.wait()
                 continue
             session_id = next(iter(pending))
-            query, user_id = pending.pop(session_id)
+            query, user_id, target = pending.pop(session_id)
+            if self._processed < target:
+                with anyio.move_on_after(_RECALL_BARRIER_S):
+                    await self._wait_processed(target)
             user_id = user_id or self._cache.user_of(session_id)
             try:
                 block = await self._recall_shared(query, user_id, session_id)
@@ -745,30 +774,36 @@ class MemoryPipeline:
 
     async def _maintainer(self) -> None:
         """Off the accept path: the next outbox segment, frequent terms, old outbox keys."""
-        s = self.settings
         last_pruned = 0
         while True:
-            await anyio.sleep(min(1.0, s.frequent_terms_refresh_s or 1.0))
+            await anyio.sleep(_MAINTAIN_EVERY_S)
             try:
                 self._outbox.prepare_spare()
+                await self._prefault()
                 oldest = self._outbox.oldest_segment()
                 if oldest > last_pruned:
                     await self.store.prune_outbox(oldest)
                     last_pruned = oldest
-                if self._rows_since_vocab and self._vocab_due():
-                    self._rows_since_vocab = 0
-                    await self.store.refresh_frequent_terms(s.frequent_term_rows)
+                if self._rows_since_vocab and self._clock() >= self._vocab_next:
+                    await self._refresh_vocab()
             except Exception as exc:  # the per-job boundary
                 log.warning("maintenance_failed", error=str(exc))
 
-    _vocab_at = 0.0
+    async def _prefault(self) -> None:
+        plan = self._outbox.prefault_plan()
+        if plan:
+            await anyio.to_thread.run_sync(Outbox.prefault, plan)
 
-    def _vocab_due(self) -> bool:
-        now = self._clock()
-        if now - self._vocab_at >= self.settings.frequent_terms_refresh_s:
-            self._vocab_at = now
-            return True
-        return False
+    async def _refresh_vocab(self) -> None:
+        """Re-read the frequent terms; the scan grows with the store, so its own duration
+        spaces the next one out (at most ~1 % of one reader's time)."""
+        s = self.settings
+        self._rows_since_vocab = 0
+        started = self._clock()
+        terms = await self.store.refresh_frequent_terms(s.frequent_term_rows, s.frequent_term_ratio)
+        took = self._clock() - started
+        self._vocab_next = self._clock() + max(s.frequent_terms_refresh_s, took * 100)
+        log.debug("frequent_terms_refreshed", terms=len(terms), duration_ms=round(took * 1e3, 2))
 
 
 def _check_clean_id(name: str, value: object) -> None:

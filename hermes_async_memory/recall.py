@@ -56,9 +56,13 @@ def match_expression(terms: Sequence[str], scope_token: str) -> str:
 def render_hits(hits: Iterable[Hit], *, now: float | None = None) -> str:
     """A compact block: one line a hit, newest context first by rank."""
     lines = []
+    seen = set()
     for h in hits:
-        day = time.strftime("%Y-%m-%d", time.gmtime(h.timestamp))
         snippet = " ".join(h.snippet.split())
+        if snippet in seen:
+            continue  # the same words said twice add nothing to the context
+        seen.add(snippet)
+        day = time.strftime("%Y-%m-%d", time.gmtime(h.timestamp))
         lines.append(f"- [{day} {h.role}] {snippet}")
     if not lines:
         return ""

@@ -119,7 +119,7 @@ async def test_very_frequent_terms_are_dropped(tmp_path) -> None:  # type: ignor
             mem.sync_turn(f"the weather today {i}", "the answer", session_id="s", user_id="u")
         mem.sync_turn("the rare aardvark", "ok", session_id="s", user_id="u")
         await mem.flush()
-        terms = await mem.store.refresh_frequent_terms(settings.frequent_term_rows)
+        terms = await mem.store.refresh_frequent_terms(settings.frequent_term_rows, 0.5)
         assert "the" in terms and "aardvark" not in terms
         assert query_terms("the aardvark", terms, 8) == ["aardvark"]
         block = await mem.search("the aardvark", user_id="u")

@@ -1,0 +1,111 @@
+"""The ``hermes-memory`` command: subcommands, and errors as one line instead of a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hermes_async_memory import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 60.0
+# The console script pip installs next to the interpreter (pyproject's [project.scripts]).
+CONSOLE_SCRIPT = Path(sys.executable).with_name("hermes-memory")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_MEMORY_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def hermes_memory(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hermes_async_memory.cli", *args], capture_output=True,
+        text=True, env=child_env(**env), timeout=RUN_TIMEOUT_S, check=False,
+    )
+
+
+def assert_one_error_line(result: subprocess.CompletedProcess[str], code: int) -> str:
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("hermes-memory worker: error: ")
+    return lines[0]
+
+
+def test_help_lists_the_worker_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--help"]) == 0
+    assert "worker" in capsys.readouterr().out
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+def test_worker_help_shows_the_worker_options(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["worker", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hermes-memory worker")
+    for option in ("--db", "--deadline", "--demo", "--log-format"):
+        assert option in out
+
+
+def test_a_db_path_under_a_file_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "plain-file"
+    not_a_dir.write_text("")
+    db = not_a_dir / "memory.db"
+
+    line = assert_one_error_line(hermes_memory("worker", "--db", str(db)), 1)
+
+    assert "cannot open the store" in line and str(db) in line
+
+
+def test_a_db_path_that_is_a_directory_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    line = assert_one_error_line(hermes_memory("worker", "--db", str(tmp_path)), 1)
+    assert "cannot open the store" in line
+
+
+def test_a_file_that_is_not_a_store_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    db = tmp_path / "memory.db"
+    db.write_bytes(b"this is not an SQLite file, it only has its name" * 100)
+
+    result = subprocess.run(
+        [sys.executable, "-m", "hermes_async_memory.cli", "worker", "--db", str(db)],
+        capture_output=True, text=True, env=child_env(), timeout=30, check=False,
+    )
+
+    assert "not a database" in assert_one_error_line(result, 1)
+
+
+def test_a_negative_deadline_is_a_usage_error(tmp_path: Path) -> None:
+    result = hermes_memory("worker", "--db", str(tmp_path / "m.db"), "--deadline", "-1")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "--deadline" in result.stderr
+
+
+def test_an_invalid_environment_setting_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    result = hermes_memory("worker", "--db", str(tmp_path / "m.db"),
+                           HERMES_MEMORY_MAX_BATCH="many")
+    assert "HERMES_MEMORY_MAX_BATCH" in assert_one_error_line(result, 2)
+
+
+def test_the_installed_console_script_runs_the_demo(tmp_path: Path) -> None:
+    assert CONSOLE_SCRIPT.exists(), "install the project first: pip install -e '.[test]'"
+    db = tmp_path / "memory.db"
+
+    result = subprocess.run(
+        [str(CONSOLE_SCRIPT), "worker", "--demo", "--db", str(db)], capture_output=True,
+        text=True, env=child_env(), timeout=RUN_TIMEOUT_S, check=False,
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "flushed; 1000 turns committed, 0 left in outbox"
