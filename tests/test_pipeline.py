@@ -306,3 +306,36 @@ async def test_sessions_are_created_lazily_with_source_and_parent(mem: MemoryPip
     assert session["source"] == "telegram"
     assert session["parent_session_id"] == "root"
     assert session["user_id"] == "u"
+
+
+async def test_a_recall_queued_right_after_a_turn_finds_that_turn(mem: MemoryPipeline) -> None:
+    # No flush in between: the recall waits for the turns accepted before it was queued.
+    mem.sync_turn("my flight to Lisbon leaves at 7", "noted", session_id="trip", user_id="eve")
+    mem.queue_prefetch("when is my Lisbon flight", session_id="trip", user_id="eve")
+    with anyio.fail_after(10):
+        while mem.prefetch_status("trip").recall_query is None:
+            await anyio.lowlevel.checkpoint()
+    assert "Related memory" in mem.prefetch("", session_id="trip")
+    assert "Lisbon" in mem.prefetch("", session_id="trip").split("Related memory")[1]
+
+
+async def test_shutdown_keeps_its_deadline_when_the_store_is_locked(tmp_path: Path) -> None:
+    import sqlite3
+
+    settings = Settings(db_path=tmp_path / "m.db", busy_timeout_ms=200,
+                        commit_retry_base_s=0.01)
+    mem = MemoryPipeline(settings)
+    await mem.start()
+    other = sqlite3.connect(settings.db_path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock throughout
+    try:
+        keys = [mem.sync_turn(f"t{i}", "r", session_id="s").key for i in range(500)]
+        # Deadline 0.2 s, plus at most the statement in flight (one busy timeout).
+        with anyio.fail_after(3):
+            await mem.aclose(deadline_s=0.2)
+    finally:
+        other.execute("COMMIT")
+        other.close()
+    async with MemoryPipeline(settings) as again:
+        await again.flush()
+        assert [m["turn_key"] for m in await again.get_messages("s")][::2] == keys
