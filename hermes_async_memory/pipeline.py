@@ -588,7 +588,7 @@ class MemoryPipeline:
                 await self._isolate(turns, exc)
                 return
         now = self._clock()
-        rows = len(batch.messages)
+        rows = batch.n_messages
         self._meter.record_batch(now, len(turns), rows)
         self._rows_since_vocab += rows
         await self._settle(turns, committed=True)
@@ -597,7 +597,7 @@ class MemoryPipeline:
         self._hand_to_replica(turns)
         log.info(
             "batch_committed", turns=len(turns), rows=rows,
-            sessions=len(batch.session_rows()),
+            sessions=batch.session_count(),
             duration_ms=round((now - started) * 1000, 2), attempts=attempt + 1,
             queued=self._outbox.queued(), deferred=self._outbox.deferred(),
         )

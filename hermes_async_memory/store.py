@@ -91,10 +91,14 @@ CREATE INDEX IF NOT EXISTS idx_outbox_segment ON outbox(segment);
 CREATE INDEX IF NOT EXISTS idx_outbox_open ON outbox(status) WHERE status != 'done';
 """
 
-_INSERT_SESSION = """
+_INSERT_SESSIONS = """
 INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
                       message_count, tool_call_count, input_tokens, output_tokens)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), json_extract(value, '$[2]'),
+       json_extract(value, '$[3]'), json_extract(value, '$[4]'), json_extract(value, '$[5]'),
+       json_extract(value, '$[6]'), json_extract(value, '$[7]'), json_extract(value, '$[8]'),
+       json_extract(value, '$[9]'), json_extract(value, '$[10]')
+FROM json_each(?) WHERE true
 ON CONFLICT (id) DO UPDATE SET
     updated_at = excluded.updated_at,
     user_id = coalesce(sessions.user_id, excluded.user_id),
@@ -105,7 +109,19 @@ ON CONFLICT (id) DO UPDATE SET
     input_tokens = sessions.input_tokens + excluded.input_tokens,
     output_tokens = sessions.output_tokens + excluded.output_tokens
 """
-_INSERT_MESSAGE = """
+# Every message of every turn in the batch, in batch order then message order.
+_INSERT_MESSAGES = """
+INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
+                      tool_name, timestamp, user_id, scope, metadata)
+SELECT json_extract(t.value, '$.s'), json_extract(t.value, '$.k'), m.key,
+       json_extract(m.value, '$[0]'), json_extract(m.value, '$[1]'),
+       json_extract(m.value, '$[2]'), json_extract(m.value, '$[3]'),
+       json_extract(m.value, '$[4]'), json_extract(t.value, '$.t'),
+       json_extract(t.value, '$.u'), json_extract(t.value, '$.c'), json_extract(t.value, '$.d')
+FROM json_each(?) AS t, json_each(t.value, '$.m') AS m
+ORDER BY t.key, m.key
+"""
+_INSERT_MESSAGE_ROW = """
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
                       tool_name, timestamp, user_id, scope, metadata)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
@@ -116,7 +132,9 @@ SELECT id, content, scope FROM messages WHERE id > ?
 """
 _INSERT_DONE = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, accepted_at, updated_at)
-VALUES (?, ?, ?, 'done', 1, ?, ?)
+SELECT json_extract(t.value, '$.k'), json_extract(t.value, '$.s'), g.value, 'done', 1,
+       json_extract(t.value, '$.t'), ?
+FROM json_each(?) AS t JOIN json_each(?) AS g ON g.key = t.key
 """
 _INSERT_DEAD = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, last_error, payload,
@@ -158,15 +176,20 @@ class DeadLetter:
 class Batch:
     """The parameters of one group commit, built up a chunk of turns at a time.
 
-    Building them is Python work on the event loop; the writer adds turns in chunks and
-    yields between them, so a 1,000-turn batch never holds the loop for long.
+    Each table gets its rows as ONE JSON text parameter that SQLite unpacks with
+    ``json_each`` in C, with the GIL released. Binding rows one by one from Python
+    (``executemany``) takes and releases the GIL per row, and a busy event-loop thread holds
+    each hand-back for up to the interpreter's switch interval (5 ms): a batch then took
+    seconds. The turns' JSON is the outbox payload built on the accept path, so building the
+    parameter is a string join.
     """
 
     def __init__(self, source: str) -> None:
         self.source = source
         self.turns: list[Turn] = []
-        self.messages: list[tuple[Any, ...]] = []
-        self.done: list[tuple[Any, ...]] = []
+        self.n_messages = 0
+        self._payloads: list[str] = []
+        self._segments: list[str] = []
         self._sessions: dict[str, list[Any]] = {}
 
     @classmethod
@@ -182,32 +205,52 @@ class Batch:
         now = time.time()
         acc = self._sessions
         self.turns.extend(turns)
+        self._payloads.extend([t.payload for t in turns])
+        self._segments.extend([str(t.segment) for t in turns])
         for t in turns:
-            self.messages.extend(t.rows)
-            self.done.append((t.key, t.session_id, t.segment, t.accepted_at))
+            self.n_messages += t.n_messages
             row = acc.get(t.session_id)
-            fields = t.session_fields() if t.metadata else None
             if row is None:
-                src = (fields or {}).get("source") or self.source
                 row = acc[t.session_id] = [
-                    t.session_id, str(src), t.user_id, None, None, t.accepted_at, now, 0, 0, 0, 0,
+                    t.session_id, t.source or self.source, t.user_id, None, None,
+                    t.accepted_at, now, 0, 0, 0, 0,
                 ]
+            row[3] = t.model or row[3]
+            row[4] = row[4] or t.parent_session_id
             row[6] = now
-            row[7] += len(t.rows)
+            row[7] += t.n_messages
             row[8] += t.tool_calls
-            if fields:
-                row[3] = fields.get("model") or row[3]
-                row[4] = row[4] or fields.get("parent_session_id")
-                row[9] += _int(fields.get("input_tokens"))
-                row[10] += _int(fields.get("output_tokens"))
+            row[9] += t.input_tokens
+            row[10] += t.output_tokens
 
-    def session_rows(self) -> list[tuple[Any, ...]]:
+    @property
+    def has_nul(self) -> bool:
+        """Whether some text holds U+0000, which SQLite's JSON functions cut short."""
+        return any("\\u0000" in p for p in self._payloads)
+
+    def message_rows(self) -> list[tuple[Any, ...]]:
+        """The messages as bound rows, for a batch whose text SQLite's JSON would cut."""
+        rows = []
+        for payload in self._payloads:
+            doc = json.loads(payload)
+            md = json.dumps(doc["d"], ensure_ascii=False) if doc["d"] else None
+            for i, (role, content, calls, call_id, name) in enumerate(doc["m"]):
+                rows.append((doc["s"], doc["k"], i, role, content, calls, call_id, name,
+                             doc["t"], doc["u"], doc["c"], md))
+        return rows
+
+    def turns_json(self) -> str:
+        return "[" + ",".join(self._payloads) + "]"
+
+    def segments_json(self) -> str:
+        return "[" + ",".join(self._segments) + "]"
+
+    def sessions_json(self) -> str:
         """One upsert row per session in the batch, with its counters summed."""
-        return [tuple(r) for r in self._sessions.values()]
+        return json.dumps(list(self._sessions.values()), ensure_ascii=False)
 
-
-def _int(value: object) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    def session_count(self) -> int:
+        return len(self._sessions)
 
 
 class SqliteStore:
@@ -318,17 +361,19 @@ class SqliteStore:
             sqlite3.Error: the transaction failed and was rolled back; nothing was stored.
         """
         db = self.writer
-        now = time.time()
-        done = [(*d, now) for d in batch.done]
+        turns = batch.turns_json()
         await db.execute("BEGIN IMMEDIATE")
         try:
             async with db.execute("SELECT coalesce(max(id), 0) FROM messages") as cur:
                 row = await cur.fetchone()
             first = row[0] if row else 0
-            await db.executemany(_INSERT_SESSION, batch.session_rows())
-            await db.executemany(_INSERT_MESSAGE, batch.messages)
+            await db.execute(_INSERT_SESSIONS, (batch.sessions_json(),))
+            if batch.has_nul:  # rare: bind the rows one by one, NUL and all
+                await db.executemany(_INSERT_MESSAGE_ROW, batch.message_rows())
+            else:
+                await db.execute(_INSERT_MESSAGES, (turns,))
             await self._index(first)
-            await db.executemany(_INSERT_DONE, done)
+            await db.execute(_INSERT_DONE, (time.time(), turns, batch.segments_json()))
             await db.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):

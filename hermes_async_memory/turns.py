@@ -12,9 +12,7 @@ from .errors import InvalidTurnError
 # One stored message: (role, content, tool_calls_json, tool_call_id, tool_name).
 MessageRow = tuple[str, str, "str | None", "str | None", "str | None"]
 
-_PACK_HEAD = 10
-_ROW_WIDTH = 12
-_SESSION_FIELDS = ("source", "model", "parent_session_id", "input_tokens", "output_tokens")
+_TEXT_KEPT = 2000  # characters of the user and assistant text kept for the prefetch cache
 
 
 class Receipt(NamedTuple):
@@ -30,9 +28,10 @@ class Receipt(NamedTuple):
 class Turn(NamedTuple):
     """An accepted turn on its way to the store.
 
-    A tuple of atomic values and tuples, so the cyclic garbage collector stops tracking it:
-    a backlog of queued turns then adds nothing to the cost of a full collection, which
-    would otherwise stall the event loop for tens of milliseconds under load.
+    ``payload`` is the turn as JSON: the outbox record, and what the writer hands SQLite
+    (one text parameter per batch, unpacked by ``json_each`` in C). Everything else is the
+    few plain values the writer and the cache need, so a queued turn packs into a flat tuple
+    of atomic values (see ``pack``).
     """
 
     key: str
@@ -40,110 +39,104 @@ class Turn(NamedTuple):
     session_id: str
     user_id: str | None
     accepted_at: float
-    messages: tuple[MessageRow, ...]
-    metadata: dict[str, Any] | None
+    payload: str
     nbytes: int
     segment: int
     accepted_mono: float
-    # The messages as store rows, built once on the accept path so the writer only
-    # concatenates them (its Python work runs on the event loop).
-    rows: tuple[tuple[Any, ...], ...]
+    n_messages: int
     tool_calls: int
+    user_text: str
+    assistant_text: str
+    source: str | None
+    model: str | None
+    parent_session_id: str | None
+    input_tokens: int
+    output_tokens: int
 
     @classmethod
     def build(
         cls, *, key: str, session_id: str, user_id: str | None, accepted_at: float,
-        messages: Sequence[MessageRow], metadata: dict[str, Any] | None,
-        accepted_mono: float = 0.0, nbytes: int = 0, segment: int = 0,
+        messages: Sequence[MessageRow], metadata: Mapping[str, Any] | None,
+        accepted_mono: float = 0.0, segment: int = 0,
     ) -> Turn:
-        scope = scope_tokens(user_id, session_id)
-        md = json.dumps(metadata, ensure_ascii=False) if metadata else None
-        msgs = tuple(messages)
-        # A list first: the tuple is then allocated after its items, so one collector pass
-        # finds them untracked and untracks it too.
-        rows = tuple([
-            (session_id, key, i, role, content, calls, call_id, name, accepted_at, user_id,
-             scope, md)
-            for i, (role, content, calls, call_id, name) in enumerate(msgs)
-        ])
-        tool_calls = sum(1 for m in msgs if m[0] == "tool" or m[2])
-        return cls(key, 0, session_id, user_id, accepted_at, msgs, metadata, nbytes, segment,
-                   accepted_mono, rows, tool_calls)
+        """Raises TypeError or ValueError when ``metadata`` is not JSON-serialisable."""
+        doc = {
+            "k": key,
+            "s": session_id,
+            "u": user_id,
+            "t": accepted_at,
+            "c": scope_tokens(user_id, session_id),
+            "m": messages,
+            "d": metadata,
+        }
+        # allow_nan=False: NaN is not JSON, and SQLite would refuse the whole batch.
+        payload = json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return cls._of(doc, payload, segment=segment, accepted_mono=accepted_mono)
+
+    @classmethod
+    def decode(cls, record: bytes, segment: int = 0, accepted_mono: float = 0.0) -> Turn:
+        """The turn an outbox record holds."""
+        payload = record.decode("utf-8")
+        return cls._of(json.loads(payload), payload, segment=segment,
+                       accepted_mono=accepted_mono, nbytes=len(record))
+
+    @classmethod
+    def _of(cls, doc: Mapping[str, Any], payload: str, *, segment: int, accepted_mono: float,
+            nbytes: int = 0) -> Turn:
+        messages = doc["m"]
+        user = next((m[1] for m in messages if m[0] == "user"), "")
+        assistant = next((m[1] for m in reversed(messages) if m[0] == "assistant" and m[1]), "")
+        md = doc["d"] or {}
+        return cls(
+            key=doc["k"], seq=0, session_id=doc["s"], user_id=doc["u"], accepted_at=doc["t"],
+            payload=payload, nbytes=nbytes, segment=segment, accepted_mono=accepted_mono,
+            n_messages=len(messages),
+            tool_calls=sum(1 for m in messages if m[0] == "tool" or m[2]),
+            user_text=user[:_TEXT_KEPT], assistant_text=assistant[:_TEXT_KEPT],
+            source=_str(md.get("source")), model=_str(md.get("model")),
+            parent_session_id=_str(md.get("parent_session_id")),
+            input_tokens=_count(md.get("input_tokens")),
+            output_tokens=_count(md.get("output_tokens")),
+        )
+
+    def encode(self) -> bytes:
+        """The outbox record; raises UnicodeEncodeError on lone surrogates."""
+        return self.payload.encode("utf-8")
+
+    @property
+    def messages(self) -> tuple[MessageRow, ...]:
+        return tuple(tuple(m) for m in json.loads(self.payload)["m"])
+
+    @property
+    def metadata(self) -> dict[str, Any] | None:
+        md: dict[str, Any] | None = json.loads(self.payload)["d"]
+        return md
 
     @property
     def scope(self) -> str:
         """The FTS tokens that let a recall search only this user's or session's rows."""
         return scope_tokens(self.user_id, self.session_id)
 
-    @property
-    def user_text(self) -> str:
-        for role, content, *_ in self.messages:
-            if role == "user":
-                return content
-        return ""
-
-    @property
-    def assistant_text(self) -> str:
-        for role, content, *_ in reversed(self.messages):
-            if role == "assistant" and content:
-                return content
-        return ""
-
     def pack(self) -> tuple[Any, ...]:
-        """A flat tuple of atomic values: the form a turn waits in the queue in.
+        """A plain tuple of atomic values: the form a turn waits in the queue in.
 
-        The cyclic collector untracks a tuple of atomic values the first time it sees it, and
-        never a NamedTuple or a nested tuple whose parts it has not untracked yet; so a
-        backlog packed flat adds nothing to full collections, which stall the event loop for
-        milliseconds per ten thousand tracked objects.
+        The cyclic collector untracks a plain tuple of atomic values the first time it sees
+        it, and never a NamedTuple; so a backlog adds nothing to full collections, which
+        stall the event loop ~0.4 ms per thousand tracked objects.
         """
-        md = json.dumps(self.metadata, ensure_ascii=False) if self.metadata else None
-        head = (self.key, self.seq, self.session_id, self.user_id, self.accepted_at, md,
-                self.nbytes, self.segment, self.accepted_mono, self.tool_calls)
-        return head + tuple([v for row in self.rows for v in row])
+        return tuple(self)
 
     @classmethod
     def unpack(cls, flat: tuple[Any, ...]) -> Turn:
-        key, seq, sid, uid, at, md, nbytes, segment, mono, tool_calls = flat[:_PACK_HEAD]
-        rows = tuple([flat[i : i + _ROW_WIDTH] for i in range(_PACK_HEAD, len(flat), _ROW_WIDTH)])
-        messages = tuple([r[3:8] for r in rows])
-        metadata = json.loads(md) if md else None
-        return cls(key, seq, sid, uid, at, messages, metadata, nbytes, segment, mono, rows,
-                   tool_calls)
+        return cls._make(flat)
 
-    def encode(self) -> bytes:
-        """The outbox record; raises UnicodeEncodeError on lone surrogates."""
-        doc = {
-            "k": self.key,
-            "s": self.session_id,
-            "u": self.user_id,
-            "t": self.accepted_at,
-            "m": self.messages,
-            "d": self.metadata,
-        }
-        return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
-    @classmethod
-    def decode(cls, payload: bytes, segment: int = 0, accepted_mono: float = 0.0) -> Turn:
-        doc = json.loads(payload)
-        return cls.build(
-            key=doc["k"],
-            session_id=doc["s"],
-            user_id=doc["u"],
-            accepted_at=doc["t"],
-            messages=[tuple(m) for m in doc["m"]],
-            metadata=doc["d"],
-            accepted_mono=accepted_mono,
-            nbytes=len(payload),
-            segment=segment,
-        )
+def _str(value: object) -> str | None:
+    return value.replace("\x00", "") if isinstance(value, str) else None
 
-    def session_fields(self) -> dict[str, Any]:
-        """Metadata keys that describe the session row (source, model, tokens, parent)."""
-        md = self.metadata
-        if not md:
-            return {}
-        return {k: md[k] for k in _SESSION_FIELDS if k in md}
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def scope_hash(value: str) -> str:
@@ -172,6 +165,8 @@ def check_id(name: str, value: object, *, optional: bool = False) -> str | None:
         raise InvalidTurnError(f"{name} must be a non-empty string, got {type(value).__name__}")
     if len(value) > 512:
         raise InvalidTurnError(f"{name} is longer than 512 characters")
+    if "\x00" in value:
+        raise InvalidTurnError(f"{name} holds a NUL character")
     return value
 
 

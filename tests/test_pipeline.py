@@ -250,6 +250,9 @@ async def test_invalid_turns_get_typed_errors_and_the_pipeline_goes_on(
         dict(user_content="x", assistant_content="y", session_id="s", metadata={"o": object()}),
         dict(user_content="x", assistant_content="y", session_id="s", metadata="not a dict"),
         dict(user_content="x", assistant_content="y", session_id="\ud800bad"),
+        dict(user_content="x", assistant_content="y", session_id="nul\x00id"),
+        dict(user_content="x", assistant_content="y", session_id="s", user_id="u\x00"),
+        dict(user_content="x", assistant_content="y", session_id="s", metadata={"f": float("nan")}),
         dict(user_content="x", assistant_content="y", session_id="s", messages="oops"),
         dict(user_content="x", assistant_content="y", session_id="s", messages=[7]),
     ]
