@@ -109,17 +109,23 @@ ON CONFLICT (id) DO UPDATE SET
     input_tokens = sessions.input_tokens + excluded.input_tokens,
     output_tokens = sessions.output_tokens + excluded.output_tokens
 """
-# Every message of every turn in the batch, in batch order then message order.
+# Every message of every turn in the batch, in batch order then message order. The CTE
+# reads each turn's fields once, not once per message.
 _INSERT_MESSAGES = """
+WITH t AS MATERIALIZED (
+    SELECT j.key AS i, json_extract(j.value, '$.s') AS s, json_extract(j.value, '$.k') AS k,
+           json_extract(j.value, '$.t') AS ts, json_extract(j.value, '$.u') AS u,
+           json_extract(j.value, '$.c') AS c, json_extract(j.value, '$.d') AS d,
+           json_extract(j.value, '$.m') AS m
+    FROM json_each(?) AS j
+)
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
                       tool_name, timestamp, user_id, scope, metadata)
-SELECT json_extract(t.value, '$.s'), json_extract(t.value, '$.k'), m.key,
-       json_extract(m.value, '$[0]'), json_extract(m.value, '$[1]'),
-       json_extract(m.value, '$[2]'), json_extract(m.value, '$[3]'),
-       json_extract(m.value, '$[4]'), json_extract(t.value, '$.t'),
-       json_extract(t.value, '$.u'), json_extract(t.value, '$.c'), json_extract(t.value, '$.d')
-FROM json_each(?) AS t, json_each(t.value, '$.m') AS m
-ORDER BY t.key, m.key
+SELECT t.s, t.k, e.key, json_extract(e.value, '$[0]'), json_extract(e.value, '$[1]'),
+       json_extract(e.value, '$[2]'), json_extract(e.value, '$[3]'),
+       json_extract(e.value, '$[4]'), t.ts, t.u, t.c, t.d
+FROM t, json_each(t.m) AS e
+ORDER BY t.i, e.key
 """
 _INSERT_MESSAGE_ROW = """
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
@@ -130,11 +136,12 @@ _INDEX_BATCH = """
 INSERT INTO messages_fts (rowid, content, scope)
 SELECT id, content, scope FROM messages WHERE id > ?
 """
+# The batch's turns are 'done': one row per turn, read back from the messages it just
+# inserted (ids are consecutive inside the transaction), for one run of outbox segment.
 _INSERT_DONE = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, accepted_at, updated_at)
-SELECT json_extract(t.value, '$.k'), json_extract(t.value, '$.s'), g.value, 'done', 1,
-       json_extract(t.value, '$.t'), ?
-FROM json_each(?) AS t JOIN json_each(?) AS g ON g.key = t.key
+SELECT turn_key, session_id, ?, 'done', 1, timestamp, ?
+FROM messages WHERE id > ? AND id <= ? AND ordinal = 0
 """
 _INSERT_DEAD = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, last_error, payload,
@@ -189,7 +196,8 @@ class Batch:
         self.turns: list[Turn] = []
         self.n_messages = 0
         self._payloads: list[str] = []
-        self._segments: list[str] = []
+        # Runs of consecutive turns from one outbox segment: [segment, messages in the run].
+        self._runs: list[list[int]] = []
         self._sessions: dict[str, list[Any]] = {}
 
     @classmethod
@@ -206,9 +214,13 @@ class Batch:
         acc = self._sessions
         self.turns.extend(turns)
         self._payloads.extend([t.payload for t in turns])
-        self._segments.extend([str(t.segment) for t in turns])
+        runs = self._runs
         for t in turns:
             self.n_messages += t.n_messages
+            if runs and runs[-1][0] == t.segment:
+                runs[-1][1] += t.n_messages
+            else:
+                runs.append([t.segment, t.n_messages])
             row = acc.get(t.session_id)
             if row is None:
                 row = acc[t.session_id] = [
@@ -242,8 +254,14 @@ class Batch:
     def turns_json(self) -> str:
         return "[" + ",".join(self._payloads) + "]"
 
-    def segments_json(self) -> str:
-        return "[" + ",".join(self._segments) + "]"
+    def segment_runs(self, first_id: int) -> list[tuple[int, int, int]]:
+        """(segment, after id, up to id) of each run, given the id before the batch's first."""
+        out = []
+        start = first_id
+        for segment, n in self._runs:
+            out.append((segment, start, start + n))
+            start += n
+        return out
 
     def sessions_json(self) -> str:
         """One upsert row per session in the batch, with its counters summed."""
@@ -373,7 +391,9 @@ class SqliteStore:
             else:
                 await db.execute(_INSERT_MESSAGES, (turns,))
             await self._index(first)
-            await db.execute(_INSERT_DONE, (time.time(), turns, batch.segments_json()))
+            now = time.time()
+            for segment, after, upto in batch.segment_runs(first):
+                await db.execute(_INSERT_DONE, (segment, now, after, upto))
             await db.execute("COMMIT")
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
