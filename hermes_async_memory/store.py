@@ -91,14 +91,26 @@ CREATE INDEX IF NOT EXISTS idx_outbox_segment ON outbox(segment);
 CREATE INDEX IF NOT EXISTS idx_outbox_open ON outbox(status) WHERE status != 'done';
 """
 
-_INSERT_SESSIONS = """
+# Sessions are created lazily and their counters summed, from the messages the batch just
+# inserted: no per-turn work in Python. Token counts are summed once per turn (ordinal 0).
+_UPSERT_SESSIONS = """
 INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
                       message_count, tool_call_count, input_tokens, output_tokens)
-SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), json_extract(value, '$[2]'),
-       json_extract(value, '$[3]'), json_extract(value, '$[4]'), json_extract(value, '$[5]'),
-       json_extract(value, '$[6]'), json_extract(value, '$[7]'), json_extract(value, '$[8]'),
-       json_extract(value, '$[9]'), json_extract(value, '$[10]')
-FROM json_each(?) WHERE true
+SELECT session_id,
+       coalesce(min(CASE WHEN json_type(metadata, '$.source') = 'text'
+                         THEN json_extract(metadata, '$.source') END), ?),
+       max(user_id),
+       max(CASE WHEN json_type(metadata, '$.model') = 'text'
+                THEN json_extract(metadata, '$.model') END),
+       min(CASE WHEN json_type(metadata, '$.parent_session_id') = 'text'
+                THEN json_extract(metadata, '$.parent_session_id') END),
+       min(timestamp), ?, count(*),
+       sum(role = 'tool' OR tool_calls IS NOT NULL),
+       sum(CASE WHEN ordinal = 0 AND json_type(metadata, '$.input_tokens') = 'integer'
+                THEN json_extract(metadata, '$.input_tokens') ELSE 0 END),
+       sum(CASE WHEN ordinal = 0 AND json_type(metadata, '$.output_tokens') = 'integer'
+                THEN json_extract(metadata, '$.output_tokens') ELSE 0 END)
+FROM messages WHERE id > ? GROUP BY session_id
 ON CONFLICT (id) DO UPDATE SET
     updated_at = excluded.updated_at,
     user_id = coalesce(sessions.user_id, excluded.user_id),
@@ -198,7 +210,7 @@ class Batch:
         self._payloads: list[str] = []
         # Runs of consecutive turns from one outbox segment: [segment, messages in the run].
         self._runs: list[list[int]] = []
-        self._sessions: dict[str, list[Any]] = {}
+        self._session_ids: set[str] = set()
 
     @classmethod
     def of(cls, turns: Sequence[Turn], source: str) -> Batch:
@@ -210,9 +222,8 @@ class Batch:
         return len(self.turns)
 
     def add(self, turns: Sequence[Turn]) -> None:
-        now = time.time()
-        acc = self._sessions
         self.turns.extend(turns)
+        self._session_ids.update([t.session_id for t in turns])
         self._payloads.extend([t.payload for t in turns])
         runs = self._runs
         for t in turns:
@@ -221,19 +232,6 @@ class Batch:
                 runs[-1][1] += t.n_messages
             else:
                 runs.append([t.segment, t.n_messages])
-            row = acc.get(t.session_id)
-            if row is None:
-                row = acc[t.session_id] = [
-                    t.session_id, t.source or self.source, t.user_id, None, None,
-                    t.accepted_at, now, 0, 0, 0, 0,
-                ]
-            row[3] = t.model or row[3]
-            row[4] = row[4] or t.parent_session_id
-            row[6] = now
-            row[7] += t.n_messages
-            row[8] += t.tool_calls
-            row[9] += t.input_tokens
-            row[10] += t.output_tokens
 
     @property
     def has_nul(self) -> bool:
@@ -263,12 +261,8 @@ class Batch:
             start += n
         return out
 
-    def sessions_json(self) -> str:
-        """One upsert row per session in the batch, with its counters summed."""
-        return json.dumps(list(self._sessions.values()), ensure_ascii=False)
-
     def session_count(self) -> int:
-        return len(self._sessions)
+        return len(self._session_ids)
 
 
 class SqliteStore:
@@ -385,13 +379,13 @@ class SqliteStore:
             async with db.execute("SELECT coalesce(max(id), 0) FROM messages") as cur:
                 row = await cur.fetchone()
             first = row[0] if row else 0
-            await db.execute(_INSERT_SESSIONS, (batch.sessions_json(),))
             if batch.has_nul:  # rare: bind the rows one by one, NUL and all
                 await db.executemany(_INSERT_MESSAGE_ROW, batch.message_rows())
             else:
                 await db.execute(_INSERT_MESSAGES, (turns,))
-            await self._index(first)
             now = time.time()
+            await db.execute(_UPSERT_SESSIONS, (batch.source, now, first))
+            await self._index(first)
             for segment, after, upto in batch.segment_runs(first):
                 await db.execute(_INSERT_DONE, (segment, now, after, upto))
             await db.execute("COMMIT")

