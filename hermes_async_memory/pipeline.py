@@ -49,14 +49,31 @@ from .turns import Receipt, Turn, check_id, sanitize, scope_token_for, turn_mess
 log = structlog.get_logger(__name__)
 
 
+class _Slice:
+    """Time-sliced cooperation for a run of Python work on the event loop."""
+
+    __slots__ = ("_until",)
+
+    def __init__(self) -> None:
+        self._until = time.perf_counter() + _SLICE_S
+
+    async def maybe_yield(self) -> None:
+        if time.perf_counter() >= self._until:
+            await anyio.lowlevel.checkpoint()
+            self._until = time.perf_counter() + _SLICE_S
+
+
 class _Stopping(BaseException):
     """Shutdown reached a writer that is retrying a failing store: leave the batch durable
     in the outbox, unsettled, so nothing after it is committed out of order."""
 
 _NEW, _OPEN, _CLOSING, _CLOSED = "new", "open", "closing", "closed"
-# Turns handled per step of the writer's Python work (unpacking, building parameters,
-# refreshing the cache), with a yield to the loop between steps: ~0.5 ms a step.
+# The writer's Python work (unpacking, building parameters, refreshing the cache) runs in
+# steps of _CHUNK turns and yields to the loop once a slice of _SLICE_S has been used: few
+# yields when the work is quick (each yield may wait behind a long callback of the host's),
+# and never a long stall of the loop when it is not.
 _CHUNK = 100
+_SLICE_S = 0.0005
 # A recall waits at most this long for the turns accepted before it was queued.
 _RECALL_BARRIER_S = 1.0
 _RETRY_CAP_S = 5.0
@@ -515,12 +532,13 @@ class MemoryPipeline:
     async def _next_batch(self) -> tuple[list[Turn], bool]:
         s = self.settings
         turns: list[Turn] = []
+        slice_ = _Slice()
         while len(turns) < s.max_batch:
             chunk = self._outbox.take(min(_CHUNK, s.max_batch - len(turns)))
             if not chunk:
                 break
             turns.extend(chunk)
-            await anyio.lowlevel.checkpoint()
+            await slice_.maybe_yield()
         if turns:
             return turns, False
         # The queue is empty but turns wait on disk (deferred, or left by an earlier run).
@@ -558,9 +576,10 @@ class MemoryPipeline:
         """Commit ``turns`` in order; isolate and dead-letter what cannot be stored."""
         started = self._clock()
         batch = Batch(self.store.source)
+        slice_ = _Slice()
         for i in range(0, len(turns), _CHUNK):
             if i:
-                await anyio.lowlevel.checkpoint()
+                await slice_.maybe_yield()
             batch.add(turns[i : i + _CHUNK])
         attempt = 0
         while True:
@@ -650,9 +669,10 @@ class MemoryPipeline:
 
     async def _settle(self, turns: list[Turn], *, committed: bool) -> None:
         """These turns are done with (stored, found stored, or dead-lettered), in order."""
+        slice_ = _Slice()
         for i in range(0, len(turns), _CHUNK):
             if i:
-                await anyio.lowlevel.checkpoint()
+                await slice_.maybe_yield()
             chunk = turns[i : i + _CHUNK]
             self._outbox.mark_done(chunk)
             self._processed += len(chunk)
