@@ -32,7 +32,7 @@ class Settings:
 
     db_path: Path = field(default_factory=default_db_path)
     # Group commit: a batch closes at max_batch turns or max_wait_ms after its first turn.
-    max_batch: int = 1000
+    max_batch: int = 2000
     max_wait_ms: float = 2.0
     # The in-memory queue of accepted turns. Past either bound the overflow policy applies:
     # "defer" keeps the turn durable in the outbox and commits it later (the receipt says

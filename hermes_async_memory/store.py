@@ -98,19 +98,19 @@ INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at,
                       message_count, tool_call_count, input_tokens, output_tokens)
 SELECT session_id,
        coalesce(min(CASE WHEN json_type(metadata, '$.source') = 'text'
-                         THEN json_extract(metadata, '$.source') END), ?),
+                         THEN json_extract(metadata, '$.source') END), {source}),
        max(user_id),
        max(CASE WHEN json_type(metadata, '$.model') = 'text'
                 THEN json_extract(metadata, '$.model') END),
        min(CASE WHEN json_type(metadata, '$.parent_session_id') = 'text'
                 THEN json_extract(metadata, '$.parent_session_id') END),
-       min(timestamp), ?, count(*),
+       min(timestamp), {now}, count(*),
        sum(role = 'tool' OR tool_calls IS NOT NULL),
        sum(CASE WHEN ordinal = 0 AND json_type(metadata, '$.input_tokens') = 'integer'
                 THEN json_extract(metadata, '$.input_tokens') ELSE 0 END),
        sum(CASE WHEN ordinal = 0 AND json_type(metadata, '$.output_tokens') = 'integer'
                 THEN json_extract(metadata, '$.output_tokens') ELSE 0 END)
-FROM messages WHERE id > ? GROUP BY session_id
+FROM messages WHERE id > {start} GROUP BY session_id
 ON CONFLICT (id) DO UPDATE SET
     updated_at = excluded.updated_at,
     user_id = coalesce(sessions.user_id, excluded.user_id),
@@ -119,7 +119,7 @@ ON CONFLICT (id) DO UPDATE SET
     message_count = sessions.message_count + excluded.message_count,
     tool_call_count = sessions.tool_call_count + excluded.tool_call_count,
     input_tokens = sessions.input_tokens + excluded.input_tokens,
-    output_tokens = sessions.output_tokens + excluded.output_tokens
+    output_tokens = sessions.output_tokens + excluded.output_tokens;
 """
 # Every message of every turn in the batch, in batch order then message order. The CTE
 # reads each turn's fields once, not once per message.
@@ -129,7 +129,7 @@ WITH t AS MATERIALIZED (
            json_extract(j.value, '$.t') AS ts, json_extract(j.value, '$.u') AS u,
            json_extract(j.value, '$.c') AS c, json_extract(j.value, '$.d') AS d,
            json_extract(j.value, '$.m') AS m
-    FROM json_each(?) AS j
+    FROM json_each({turns}) AS j
 )
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
                       tool_name, timestamp, user_id, scope, metadata)
@@ -137,7 +137,7 @@ SELECT t.s, t.k, e.key, json_extract(e.value, '$[0]'), json_extract(e.value, '$[
        json_extract(e.value, '$[2]'), json_extract(e.value, '$[3]'),
        json_extract(e.value, '$[4]'), t.ts, t.u, t.c, t.d
 FROM t, json_each(t.m) AS e
-ORDER BY t.i, e.key
+ORDER BY t.i, e.key;
 """
 _INSERT_MESSAGE_ROW = """
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
@@ -146,14 +146,14 @@ VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
 _INDEX_BATCH = """
 INSERT INTO messages_fts (rowid, content, scope)
-SELECT id, content, scope FROM messages WHERE id > ?
+SELECT id, content, scope FROM messages WHERE id > {start};
 """
 # The batch's turns are 'done': one row per turn, read back from the messages it just
 # inserted (ids are consecutive inside the transaction), for one run of outbox segment.
 _INSERT_DONE = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, accepted_at, updated_at)
-SELECT turn_key, session_id, ?, 'done', 1, timestamp, ?
-FROM messages WHERE id > ? AND id <= ? AND ordinal = 0
+SELECT turn_key, session_id, {segment}, 'done', 1, timestamp, {now}
+FROM messages WHERE id > {start} + {after} AND id <= {start} + {upto} AND ordinal = 0;
 """
 _INSERT_DEAD = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, last_error, payload,
@@ -170,6 +170,14 @@ WHERE messages_fts MATCH ?
 ORDER BY rank
 LIMIT ?
 """
+
+
+def sql_literal(text: str) -> str:
+    """``text`` as an SQL string literal. Only for text without U+0000 (SQLite ends a
+    literal there); the caller routes such text through bound parameters instead."""
+    if "\x00" in text:
+        raise ValueError("an SQL literal cannot hold U+0000")
+    return "'" + text.replace("'", "''") + "'"
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +219,7 @@ class Batch:
         # Runs of consecutive turns from one outbox segment: [segment, messages in the run].
         self._runs: list[list[int]] = []
         self._session_ids: set[str] = set()
+        self._has_nul = False
 
     @classmethod
     def of(cls, turns: Sequence[Turn], source: str) -> Batch:
@@ -224,6 +233,7 @@ class Batch:
     def add(self, turns: Sequence[Turn]) -> None:
         self.turns.extend(turns)
         self._session_ids.update([t.session_id for t in turns])
+        self._has_nul = self._has_nul or any([t.has_nul for t in turns])
         self._payloads.extend([t.payload for t in turns])
         runs = self._runs
         for t in turns:
@@ -236,7 +246,7 @@ class Batch:
     @property
     def has_nul(self) -> bool:
         """Whether some text holds U+0000, which SQLite's JSON functions cut short."""
-        return any("\\u0000" in p for p in self._payloads)
+        return self._has_nul
 
     def message_rows(self) -> list[tuple[Any, ...]]:
         """The messages as bound rows, for a batch whose text SQLite's JSON would cut."""
@@ -251,6 +261,10 @@ class Batch:
 
     def turns_json(self) -> str:
         return "[" + ",".join(self._payloads) + "]"
+
+    def turns_literal(self) -> str:
+        """The turns' JSON as an SQL string literal: payloads hold no single quote."""
+        return "'[" + ",".join(self._payloads) + "]'"
 
     def segment_runs(self, first_id: int) -> list[tuple[int, int, int]]:
         """(segment, after id, up to id) of each run, given the id before the batch's first."""
@@ -369,34 +383,44 @@ class SqliteStore:
     async def commit_batch(self, batch: Batch) -> None:
         """Store a batch in one transaction: messages, their index, and outbox rows 'done'.
 
+        The statements go to SQLite as one script, so the writer thread hands the GIL back
+        and forth a few times per batch, not once per statement and row: each hand-back can
+        wait out the interpreter's switch interval while the event loop is busy. Values are
+        inlined as SQL literals (the turns' JSON quoted by doubling its single quotes).
+
         Raises:
             sqlite3.Error: the transaction failed and was rolled back; nothing was stored.
         """
         db = self.writer
-        turns = batch.turns_json()
-        await db.execute("BEGIN IMMEDIATE")
+        # The batch's messages are the last n_messages rows once inserted: ids are
+        # consecutive inside the transaction.
+        start = f"((SELECT max(id) FROM messages) - {int(batch.n_messages)})"
+        now = repr(time.time())
+        script = [_INDEX_BATCH.format(start=start),
+                  _UPSERT_SESSIONS.format(start=start, now=now, source=sql_literal(batch.source))]
+        script += [
+            _INSERT_DONE.format(segment=int(segment), now=now, start=start, after=after, upto=upto)
+            for segment, after, upto in batch.segment_runs(0)
+        ]
         try:
-            async with db.execute("SELECT coalesce(max(id), 0) FROM messages") as cur:
-                row = await cur.fetchone()
-            first = row[0] if row else 0
             if batch.has_nul:  # rare: bind the rows one by one, NUL and all
+                await db.execute("BEGIN IMMEDIATE")
                 await db.executemany(_INSERT_MESSAGE_ROW, batch.message_rows())
+                # Statement by statement: executescript would first commit the open
+                # transaction.
+                for statement in script:
+                    await db.execute(statement)
             else:
-                await db.execute(_INSERT_MESSAGES, (turns,))
-            now = time.time()
-            await db.execute(_UPSERT_SESSIONS, (batch.source, now, first))
-            await self._index(first)
-            for segment, after, upto in batch.segment_runs(first):
-                await db.execute(_INSERT_DONE, (segment, now, after, upto))
-            await db.execute("COMMIT")
+                messages = _INSERT_MESSAGES.replace("{turns}", batch.turns_literal())
+                await db.executescript("BEGIN IMMEDIATE;" + messages + "".join(script))
+            await self._commit_transaction()
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
                 await db.execute("ROLLBACK")
             raise
 
-    async def _index(self, after_id: int) -> None:
-        """Index every message inserted by this transaction (ids above ``after_id``)."""
-        await self.writer.execute(_INDEX_BATCH, (after_id,))
+    async def _commit_transaction(self) -> None:
+        await self.writer.execute("COMMIT")
 
     async def dead_letter(self, turn: Turn, error: str, attempts: int, payload: bytes) -> None:
         """Keep a turn that cannot be stored, with why; it is no longer retried."""

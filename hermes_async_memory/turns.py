@@ -52,6 +52,7 @@ class Turn(NamedTuple):
     parent_session_id: str | None
     input_tokens: int
     output_tokens: int
+    has_nul: bool
 
     @classmethod
     def build(
@@ -69,8 +70,12 @@ class Turn(NamedTuple):
             "m": messages,
             "d": metadata,
         }
-        # allow_nan=False: NaN is not JSON, and SQLite would refuse the whole batch.
-        payload = json.dumps(doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        # allow_nan=False: NaN is not JSON, and SQLite would refuse the whole batch. Single
+        # quotes are written as the JSON escape \u0027, so a batch of payloads joined is
+        # already a valid SQL string literal between two quotes (see store.Batch).
+        payload = json.dumps(
+            doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+        ).replace("'", "\\u0027")
         return cls._of(doc, payload, segment=segment, accepted_mono=accepted_mono)
 
     @classmethod
@@ -97,6 +102,7 @@ class Turn(NamedTuple):
             parent_session_id=_str(md.get("parent_session_id")),
             input_tokens=_count(md.get("input_tokens")),
             output_tokens=_count(md.get("output_tokens")),
+            has_nul="\\u0000" in payload,
         )
 
     def encode(self) -> bytes:

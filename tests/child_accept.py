@@ -25,11 +25,12 @@ class FrozenStore(SqliteStore):
         super().__init__(path)
         self.mode = mode
 
-    async def _index(self, after_id: int) -> None:
-        await super()._index(after_id)
+    async def _commit_transaction(self) -> None:
+        # Every statement of the batch has run; the transaction is open, not committed.
         if self.mode == "in-commit":
             print("IN_COMMIT", flush=True)
             await asyncio.Event().wait()
+        await super()._commit_transaction()
 
     async def commit_batch(self, batch: Batch) -> None:
         await super().commit_batch(batch)
