@@ -1,0 +1,142 @@
+"""Run every benchmark, one process each, and print the README's results table (markdown).
+
+    .venv/bin/python benchmarks/run_all.py [--quick] [--only NAME ...] [--update-readme]
+
+Before each benchmark the machine's CPU use is sampled while nothing of ours runs, waiting
+(up to --wait-quiet seconds) for two quiet seconds in a row: latency tails on a 2-core
+machine move a lot when something else is busy, so the table also says how quiet it was.
+--update-readme replaces the table between the ``<!-- results:start -->`` and
+``<!-- results:end -->`` markers of benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import BENCH_DIR, library_version, machine
+
+BENCHMARKS = ("prefetch", "sync_turn", "throughput", "recall", "flush")
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+QUIET_BELOW = 0.15
+BENCH_TIMEOUT_S = 1_200.0  # share of all CPUs busy with other work
+
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Share of all CPUs busy over ``seconds`` (from /proc/stat), while we only sleep."""
+
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]
+        return sum(fields), idle
+
+    try:
+        t0, i0 = snap()
+        time.sleep(seconds)
+        t1, i1 = snap()
+    except OSError:
+        return float("nan")
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_quiet(max_wait_s: float, threshold: float = QUIET_BELOW) -> float:
+    """Wait (up to ``max_wait_s``) for two quiet seconds in a row; return the last sample."""
+    deadline = time.monotonic() + max_wait_s
+    quiet = 0
+    busy = cpu_busy()
+    while time.monotonic() < deadline:
+        quiet = quiet + 1 if busy < threshold else 0
+        if quiet >= 2:
+            break
+        if quiet == 0:
+            print(f"  machine {busy:.0%} busy: waiting for it to be quiet…", flush=True)
+        busy = cpu_busy()
+    return busy
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
+    p.add_argument("--only", action="append", choices=BENCHMARKS, help="run only these")
+    p.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="before each benchmark, wait up to this long for the machine to be quiet (0: no)",
+    )
+    p.add_argument(
+        "--update-readme", action="store_true", help="write the table into benchmarks/README.md"
+    )
+    args = p.parse_args()
+    names = args.only or list(BENCHMARKS)
+    rows: list[dict[str, object]] = []
+    notes = []
+    failed = []
+    began = time.perf_counter()
+    for name in names:
+        busy = wait_quiet(args.wait_quiet) if args.wait_quiet > 0 else cpu_busy()
+        notes.append(f"{name}: {busy:.0%}")
+        script = BENCH_DIR / f"bench_{name}.py"
+        print(f"\n=== {script.name} (machine busy before start: {busy:.0%}) ===", flush=True)
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+            out = Path(tmp.name)
+        cmd = [sys.executable, str(script), "--json", str(out)] + (
+            ["--quick"] if args.quick else []
+        )
+        t0 = time.perf_counter()
+        try:
+            code = subprocess.call(cmd, timeout=BENCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            print(f"--- {script.name}: killed after {BENCH_TIMEOUT_S:.0f} s", flush=True)
+            code = -1
+        print(f"--- {script.name}: {time.perf_counter() - t0:.0f} s, exit {code}", flush=True)
+        if code != 0 or not out.stat().st_size:
+            failed.append(name)
+        else:
+            rows.extend(json.loads(out.read_text()))
+        out.unlink(missing_ok=True)
+
+    def verdict(met: object) -> str:
+        return "—" if met is None else ("yes" if met else "**no**")
+
+    lines = [
+        "| benchmark | result | baseline | ratio | goal | met |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {r['benchmark']} | {r['result']} | {r['baseline']} | {r['ratio']} | {r['goal']} | "
+            f"{verdict(r['met'])} |"
+            for r in rows
+        ),
+    ]
+    stamp = (
+        f"Measured {time.strftime('%Y-%m-%d')} on {machine()}; library at "
+        f"{library_version()}{'; --quick run' if args.quick else ''}. CPU busy (others) "
+        f"just before each benchmark: {', '.join(notes)}."
+    )
+    table = "\n".join(lines) + "\n\n" + stamp + "\n"
+    print(f"\n=== all done in {time.perf_counter() - began:.0f} s ===\n")
+    print(table)
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+    if args.update_readme:
+        readme = BENCH_DIR / "README.md"
+        text = readme.read_text()
+        if START in text and END in text:
+            head, rest = text.split(START, 1)
+            _, tail = rest.split(END, 1)
+            readme.write_text(f"{head}{START}\n{table}{END}{tail}")
+            print(f"updated {readme}")
+        else:
+            print(f"{readme} has no {START} … {END} markers; not updated")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
