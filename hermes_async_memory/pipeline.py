@@ -581,6 +581,8 @@ class MemoryPipeline:
             if i:
                 await slice_.maybe_yield()
             batch.add(turns[i : i + _CHUNK])
+        # Building the batch's SQL (about a megabyte for 2,000 turns) starts a new slice.
+        await anyio.lowlevel.checkpoint()
         attempt = 0
         while True:
             try:

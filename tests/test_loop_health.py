@@ -18,85 +18,108 @@ BURST = 10  # sync_turn calls between yields, like a busy gateway callback
 
 
 @pytest.fixture
-def frozen_heap() -> Iterator[None]:
-    """What a long-running gateway does after boot: keep its startup heap out of full
-    collections. A full collection scans every tracked object of the process and stalls the
-    loop ~0.4 ms per thousand; the pipeline's own part is that its backlog adds none (see
-    test_a_backlog_adds_nothing_to_garbage_collection)."""
+def quiet_collector() -> Iterator[None]:
+    """Keep the cyclic garbage collector out of the measurement.
+
+    A full collection scans every tracked object of the whole process and stalls the loop
+    ~0.4 ms per thousand: its length is the host's heap, not the pipeline's work, and a
+    long-running host freezes its start-up heap (the worker does). What the pipeline adds
+    to collections is asserted on its own: test_a_backlog_adds_nothing_to_garbage_collection.
+    """
     gc.collect()
-    gc.freeze()
+    gc.disable()
     try:
         yield
     finally:
-        gc.unfreeze()
+        gc.enable()
 
 
-async def test_loop_lag_stays_under_two_ms_under_load(settings: Settings, frozen_heap: None
-                                                      ) -> None:
-    """A probe task yields continuously and records the gap between its runs.
+@pytest.fixture
+def callback_clock() -> Iterator[list[tuple[float, float, str]]]:
+    """Instrument the event loop: (CPU s, wall s, task name) of every callback it runs.
 
-    A gap is everything the loop ran in between: one producer burst of BURST sync_turn calls
-    plus any pipeline callback (writer batches and cache refreshes, recalls, outbox upkeep).
-    Each pipeline call is also timed on its own.
-
-    Two clocks: the loop thread's CPU time, which only the pipeline's own work (and the
-    test's burst) can spend, bounds every gap and every call; wall time, which also counts
-    the OS running other processes on the same cores, bounds the 99.9th percentile.
+    CPU time is the loop thread's own (time.thread_time): only the callback's work spends
+    it, whatever else runs on the machine's two cores.
     """
-    wall_gaps: list[float] = []
-    cpu_gaps: list[float] = []
-    call_wall: list[float] = []
+    samples: list[tuple[float, float, str]] = []
+    original = asyncio.events.Handle._run
+
+    def timed(handle: asyncio.events.Handle) -> None:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        original(handle)
+        owner = getattr(handle._callback, "__self__", None)  # type: ignore[attr-defined]
+        name = owner.get_name() if isinstance(owner, asyncio.Task) else "callback"
+        samples.append((time.thread_time() - cpu, time.perf_counter() - wall, name))
+
+    asyncio.events.Handle._run = timed  # type: ignore[method-assign]
+    try:
+        yield samples
+    finally:
+        asyncio.events.Handle._run = original  # type: ignore[method-assign]
+
+
+async def test_loop_lag_stays_under_two_ms_under_load(
+    settings: Settings, quiet_collector: None, callback_clock: list[tuple[float, float, str]]
+) -> None:
+    """Under load, no pipeline call or callback holds the loop for 2 ms.
+
+    Three measures: every pipeline call, timed around it; every callback the loop runs for
+    the pipeline (its writer, recall and upkeep tasks and their I/O completions), on the
+    loop thread's CPU clock; and a probe task that yields continuously, whose gaps (all
+    the loop ran in between, the test's own producer included) bound the lag a user sees,
+    on the wall clock at the 99.9th percentile (the OS may run other processes meanwhile).
+    """
+    gaps: list[float] = []
     call_cpu: list[float] = []
     done = anyio.Event()
     cpu = time.thread_time
 
     async def probe() -> None:
-        last, last_cpu = time.perf_counter(), cpu()
+        last = time.perf_counter()
         while not done.is_set():
             await asyncio.sleep(0)
-            now, now_cpu = time.perf_counter(), cpu()
-            wall_gaps.append(now - last)
-            cpu_gaps.append(now_cpu - last_cpu)
-            last, last_cpu = now, now_cpu
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
 
     async with MemoryPipeline(settings) as mem:
         mem.sync_turn("warm up", "the code paths", session_id="warm")
         await mem.flush()
+        callback_clock.clear()
 
         async def produce() -> None:
             for i in range(0, TURNS, BURST):
                 for j in range(i, i + BURST):
-                    start, start_cpu = time.perf_counter(), cpu()
+                    start = cpu()
                     mem.sync_turn(f"question {j} about topic{j % 97}", f"answer {j}",
                                   session_id=f"s{j % 1000}", user_id=f"u{j % 100}")
                     if j % 50 == 0:
                         mem.queue_prefetch(f"topic{j % 97} question", session_id=f"s{j % 1000}")
                     if j % 500 == 0:
                         mem.prefetch("", session_id=f"s{j % 1000}")
-                    call_wall.append(time.perf_counter() - start)
-                    call_cpu.append(cpu() - start_cpu)
+                    call_cpu.append(cpu() - start)
                 await asyncio.sleep(0)
             await mem.flush()
             done.set()
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(probe)
-            tg.start_soon(produce)
+            tg.start_soon(probe, name="probe")
+            tg.start_soon(produce, name="producer")
         assert mem.stats().committed_turns == TURNS + 1
         assert mem.stats().recalls_run > 0
-
-    def p999(xs: list[float]) -> float:
-        return sorted(xs)[len(xs) * 999 // 1000]
 
     def ms(xs: list[float]) -> list[float]:
         return [round(x * 1e3, 2) for x in sorted(xs)[-3:]]
 
-    # The probe's gap also holds the test's own burst of calls; allow for exactly that.
-    burst = sorted(call_cpu)[len(call_cpu) * 99 // 100] * BURST
-    assert max(call_cpu) < STALL_LIMIT_S, f"slowest calls (CPU) {ms(call_cpu)} ms"
-    assert max(cpu_gaps) < STALL_LIMIT_S + burst, f"loop stalled (CPU): {ms(cpu_gaps)} ms"
-    assert p999(call_wall) < STALL_LIMIT_S, f"slowest calls (wall) {ms(call_wall)} ms"
-    assert p999(wall_gaps) < STALL_LIMIT_S + burst, f"loop stalled (wall): {ms(wall_gaps)} ms"
+    pipeline = [c for c, _, name in callback_clock if name not in ("probe", "producer")]
+    producer = [w for _, w, name in callback_clock if name == "producer"]
+    assert len(pipeline) > 100  # the writer and recallers really ran on this loop
+    assert max(call_cpu) < STALL_LIMIT_S, f"slowest pipeline calls {ms(call_cpu)} ms"
+    assert max(pipeline) < STALL_LIMIT_S, f"slowest pipeline callbacks (CPU) {ms(pipeline)} ms"
+    # A probe gap also holds one producer burst: allow for exactly that.
+    allowance = sorted(producer)[len(producer) * 999 // 1000]
+    p999 = sorted(gaps)[len(gaps) * 999 // 1000]
+    assert p999 < STALL_LIMIT_S + allowance, f"loop lag p99.9 {p999 * 1e3:.2f} ms"
 
 
 async def test_a_backlog_adds_nothing_to_garbage_collection(settings: Settings) -> None:
