@@ -44,7 +44,15 @@ from .recall import match_expression, query_terms, render_hits
 from .settings import Settings
 from .stats import Meter, PipelineStats, percentile
 from .store import Batch, SqliteStore
-from .turns import Receipt, Turn, check_id, sanitize, scope_token_for, turn_messages
+from .turns import (
+    Receipt,
+    Turn,
+    check_id,
+    has_lone_surrogate,
+    sanitize,
+    scope_token_for,
+    turn_messages,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -317,20 +325,17 @@ class MemoryPipeline:
         key = f"{self._key_prefix}-{next(self._key_counter):x}"
         accepted_at = time.time()
         md = dict(metadata) if metadata else None
+        if has_lone_surrogate(rows, md):
+            # Lone surrogates cannot be stored as UTF-8 anywhere: keep the turn, with U+FFFD.
+            rows, md = sanitize(rows), sanitize(md)
+            self._counts["sanitized"] += 1
         try:
             turn = Turn.build(key=key, session_id=session_id, user_id=user_id,
                               accepted_at=accepted_at, messages=rows, metadata=md,
                               accepted_mono=self._clock())
-            payload = turn.encode()
-        except UnicodeEncodeError:
-            # Lone surrogates cannot be stored as UTF-8 anywhere: keep the turn, with U+FFFD.
-            turn = Turn.build(key=key, session_id=session_id, user_id=user_id,
-                              accepted_at=accepted_at, messages=sanitize(rows),
-                              metadata=sanitize(md), accepted_mono=turn.accepted_mono)
-            self._counts["sanitized"] += 1
-            payload = turn.encode()
         except (TypeError, ValueError) as exc:
             raise InvalidTurnError(f"metadata is not JSON-serialisable: {exc}") from exc
+        payload = turn.encode()
         if len(payload) > self.settings.max_turn_bytes:
             raise InvalidTurnError(
                 f"the turn is {len(payload)} bytes encoded; the limit (max_turn_bytes) is "

@@ -70,11 +70,13 @@ class Turn(NamedTuple):
             "m": messages,
             "d": metadata,
         }
+        # ASCII only (non-ASCII as \u escapes, which SQLite's JSON decodes in C): the writer
+        # thread then hands a batch to SQLite without re-encoding a megabyte under the GIL.
         # allow_nan=False: NaN is not JSON, and SQLite would refuse the whole batch. Single
         # quotes are written as the JSON escape \u0027, so a batch of payloads joined is
         # already a valid SQL string literal between two quotes (see store.Batch).
         payload = json.dumps(
-            doc, ensure_ascii=False, separators=(",", ":"), allow_nan=False
+            doc, ensure_ascii=True, separators=(",", ":"), allow_nan=False
         ).replace("'", "\\u0027")
         return cls._of(doc, payload, segment=segment, accepted_mono=accepted_mono)
 
@@ -106,8 +108,8 @@ class Turn(NamedTuple):
         )
 
     def encode(self) -> bytes:
-        """The outbox record; raises UnicodeEncodeError on lone surrogates."""
-        return self.payload.encode("utf-8")
+        """The outbox record (ASCII JSON)."""
+        return self.payload.encode("ascii")
 
     @property
     def messages(self) -> tuple[MessageRow, ...]:
@@ -240,6 +242,25 @@ def _row(i: int, m: Mapping[str, Any]) -> MessageRow:
         call_id if isinstance(call_id, str) else None,
         name if isinstance(name, str) else None,
     )
+
+
+def has_lone_surrogate(rows: Sequence[MessageRow], metadata: Mapping[str, Any] | None) -> bool:
+    """Whether some text holds a lone surrogate, which no UTF-8 store can hold."""
+    for row in rows:
+        for value in row[1:]:
+            if value and not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+    if metadata:
+        try:
+            json.dumps(metadata, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        except (TypeError, ValueError):
+            return False  # refused later, with a clear error
+    return False
 
 
 def sanitize(value: Any) -> Any:
