@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -43,6 +45,18 @@ def cpu_busy(seconds: float = 1.0) -> float:
     except OSError:
         return float("nan")
     return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+def busy_jiffies() -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs since boot."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+def children_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def wait_quiet(max_wait_s: float, threshold: float = QUIET_BELOW) -> float:
@@ -80,9 +94,10 @@ def main() -> int:
     notes = []
     failed = []
     began = time.perf_counter()
+    versions = []
     for name in names:
         busy = wait_quiet(args.wait_quiet) if args.wait_quiet > 0 else cpu_busy()
-        notes.append(f"{name}: {busy:.0%}")
+        versions.append(library_version())
         script = BENCH_DIR / f"bench_{name}.py"
         print(f"\n=== {script.name} (machine busy before start: {busy:.0%}) ===", flush=True)
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
@@ -91,12 +106,25 @@ def main() -> int:
             ["--quick"] if args.quick else []
         )
         t0 = time.perf_counter()
+        b0, j0 = busy_jiffies()
+        c0 = children_cpu_s()
         try:
             code = subprocess.call(cmd, timeout=BENCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             print(f"--- {script.name}: killed after {BENCH_TIMEOUT_S:.0f} s", flush=True)
             code = -1
-        print(f"--- {script.name}: {time.perf_counter() - t0:.0f} s, exit {code}", flush=True)
+        wall = time.perf_counter() - t0
+        b1, j1 = busy_jiffies()
+        # The CPU others used while it ran: all busy time minus the benchmark's own.
+        hz = os.sysconf("SC_CLK_TCK")
+        others = ((b1 - b0) / hz - (children_cpu_s() - c0)) / max(1e-9, (j1 - j0) / hz)
+        others = max(0.0, others)
+        notes.append(f"{name} {busy:.0%} before / {others:.0%} during")
+        print(
+            f"--- {script.name}: {wall:.0f} s, exit {code}; others used {others:.0%} of the "
+            f"machine meanwhile",
+            flush=True,
+        )
         if code != 0 or not out.stat().st_size:
             failed.append(name)
         else:
@@ -115,10 +143,15 @@ def main() -> int:
             for r in rows
         ),
     ]
+    version = (
+        versions[0]
+        if len(set(versions)) == 1
+        else ", ".join(f"{n} {v}" for n, v in zip(names, versions, strict=True))
+    )
     stamp = (
         f"Measured {time.strftime('%Y-%m-%d')} on {machine()}; library at "
-        f"{library_version()}{'; --quick run' if args.quick else ''}. CPU busy (others) "
-        f"just before each benchmark: {', '.join(notes)}."
+        f"{version}{'; --quick run' if args.quick else ''}. CPU used by other processes "
+        f"(share of the 2 CPUs) before and during each benchmark: {', '.join(notes)}."
     )
     table = "\n".join(lines) + "\n\n" + stamp + "\n"
     print(f"\n=== all done in {time.perf_counter() - began:.0f} s ===\n")
