@@ -259,9 +259,6 @@ class Batch:
                              doc["t"], doc["u"], doc["c"], md))
         return rows
 
-    def turns_json(self) -> str:
-        return "[" + ",".join(self._payloads) + "]"
-
     def literal_parts(self) -> list[str]:
         """The turns' JSON as an SQL string literal, in pieces to join once with the rest of
         the script (payloads hold no single quote): a 2,000-turn batch is about a megabyte,
@@ -395,7 +392,8 @@ class SqliteStore:
         The statements go to SQLite as one script, so the writer thread hands the GIL back
         and forth a few times per batch, not once per statement and row: each hand-back can
         wait out the interpreter's switch interval while the event loop is busy. Values are
-        inlined as SQL literals (the turns' JSON quoted by doubling its single quotes).
+        inlined as SQL literals; the turns' JSON needs no escaping, as payloads write ' as
+        \\u0027.
 
         Raises:
             sqlite3.Error: the transaction failed and was rolled back; nothing was stored.
@@ -531,10 +529,3 @@ class SqliteStore:
         ) as cur:
             rows = await cur.fetchall()
         return [DeadLetter(*r) for r in rows]
-
-    async def count_dead(self) -> int:
-        async with self.reader() as db, db.execute(
-            "SELECT count(*) FROM outbox WHERE status = 'dead'"
-        ) as cur:
-            row = await cur.fetchone()
-        return int(row[0]) if row else 0

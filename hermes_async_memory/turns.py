@@ -120,11 +120,6 @@ class Turn(NamedTuple):
         md: dict[str, Any] | None = json.loads(self.payload)["d"]
         return md
 
-    @property
-    def scope(self) -> str:
-        """The FTS tokens that let a recall search only this user's or session's rows."""
-        return scope_tokens(self.user_id, self.session_id)
-
     def pack(self) -> tuple[Any, ...]:
         """A plain tuple of atomic values: the form a turn waits in the queue in.
 
