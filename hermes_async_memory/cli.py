@@ -1,14 +1,20 @@
 """The ``hermes-memory`` command.
 
     hermes-memory worker [--db PATH] [--deadline SECONDS] [--demo] [--log-format json|console]
+    hermes-memory status | search | sessions | dead-letters   (admin_cli)
+    hermes-memory hermes install                              (hermes.install)
 
-Each subcommand's module is imported only when that subcommand runs. Errors are one line on
-stderr: exit 2 for a usage or configuration error, 1 for a store or file-system error.
+Subcommands other than ``worker`` come from the modules in ``_COMMAND_MODULES``: each has a
+``register(commands)`` that adds its parsers and sets ``handler`` (args -> exit code) as
+their default. Those modules import only argparse at the top; what a command needs is
+imported when it runs. Errors are one line on stderr: exit 2 for a usage or configuration
+error, 1 for a store or file-system error.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable, Sequence
 
@@ -34,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the long-lived worker process (see: hermes-memory worker --help)",
         description="Run the long-lived worker process.",
     )
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(commands)
     return parser
 
 
@@ -44,7 +52,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args, rest = parser.parse_known_args(argv)
         if args.command not in _FORWARDING and rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        return _COMMANDS[args.command](args, rest)
+        if args.command in _FORWARDING:
+            return _worker(args, rest)
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        return handler(args)
     except SystemExit as exc:  # --help, or a usage error argparse has already printed
         return exit_code(exc)
     except ConfigurationError as exc:
@@ -61,7 +72,7 @@ def _worker(args: argparse.Namespace, rest: list[str]) -> int:
     return worker_main(rest, prog=f"{PROG} worker")
 
 
-_COMMANDS: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {"worker": _worker}
+_COMMAND_MODULES = ("hermes_async_memory.admin_cli", "hermes_async_memory.hermes.install")
 # Commands that hand their remaining arguments to a parser of their own.
 _FORWARDING = frozenset({"worker"})
 

@@ -1,0 +1,1 @@
+"""Hermes Agent integration: the MemoryProvider and its plugin folder."""
