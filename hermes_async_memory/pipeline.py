@@ -7,6 +7,12 @@
     queue_prefetch ──► pending recalls (latest per session) ──► recallers ──► prefetch cache
     prefetch ──► prefetch cache (a dict lookup)
 
+Several processes can share one store file (``Settings.role``): a "producer" (a gateway)
+runs the same accept path, but its writer hands batches to the file's inbox table and its
+recalls are requests that a "worker" (python -m workers) serves. The worker's writer claims
+inbox turns under an expiring lease and commits them like its own; it writes recall results
+to a table the producers poll into their prefetch caches.
+
 Workers run in an anyio task group owned by one supervisor task, so the pipeline can be
 opened in one task and closed from another (pytest fixtures, signal handlers).
 """
@@ -19,6 +25,7 @@ import heapq
 import itertools
 import os
 import random
+import socket
 import sqlite3
 import threading
 import time
@@ -38,6 +45,7 @@ from .errors import (
     FlushTimeoutError,
     InvalidTurnError,
     PipelineClosedError,
+    StoreError,
 )
 from .outbox import Outbox
 from .recall import match_expression, query_terms, render_hits
@@ -87,6 +95,8 @@ _RECALL_BARRIER_S = 1.0
 _RETRY_CAP_S = 5.0
 _REPLICA_QUEUE = 10_000
 _MAINTAIN_EVERY_S = 1.0
+_PRODUCER_SLOTS = 64
+_LEASE_SWEEP_S = 1.0  # how often a worker looks for claims of workers that are gone
 
 
 class MemoryPipeline:
@@ -125,6 +135,13 @@ class MemoryPipeline:
         )
         self._state = _NEW
         self._key_prefix = os.urandom(6).hex()
+        # This process as a lease owner: host, pid (so a worker on the same host can tell a
+        # gone owner at once) and this pipeline's key prefix.
+        self._owner = f"{socket.gethostname()}:{os.getpid()}:{self._key_prefix}"
+        self._role = s.role
+        self._next_sweep = 0.0
+        self._recall_version = 0
+        self._inbox_counts: tuple[int, float | None] = (0, None)
         self._key_counter = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -154,7 +171,8 @@ class MemoryPipeline:
         self._counts = {
             "recalls_run": 0, "recalls_shared": 0, "recalls_shed": 0, "recall_errors": 0,
             "commit_retries": 0, "dead_letters": 0, "sanitized": 0, "replica_errors": 0,
-            "replica_shed": 0,
+            "replica_shed": 0, "inbox_committed": 0, "leases_lost": 0, "leases_reclaimed": 0,
+            "recalls_served": 0,
         }
 
     # -- life cycle --------------------------------------------------------------------
@@ -190,9 +208,13 @@ class MemoryPipeline:
         await self.store.open()
         try:
             first_segment = await self.store.next_segment()
-            self._recovered = self._outbox.open(first_segment)
+            if self._role == "producer":
+                self._recovered = self._open_producer_outbox(first_segment)
+                self._recall_version = await self.store.recall_version()
+            else:
+                self._recovered = self._outbox.open(first_segment)
+                await self._refresh_vocab()
             await self._prefault()
-            await self._refresh_vocab()
             await self.backend.startup()
         except BaseException:
             self._outbox.close()
@@ -214,6 +236,26 @@ class MemoryPipeline:
             duration_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
+    def _open_producer_outbox(self, first_segment: int) -> int:
+        """Take the first free producer slot; what a dead producer left there is ours now."""
+        s = self.settings
+        for slot in range(_PRODUCER_SLOTS):
+            outbox = Outbox(
+                s.producer_outbox_dir(slot), segment_bytes=s.outbox_segment_bytes,
+                max_queued_turns=s.max_queued_turns, max_queued_bytes=s.max_queued_bytes,
+                overflow=s.overflow, clock=self._clock,
+            )
+            try:
+                recovered = outbox.open(first_segment)
+            except StoreError as exc:
+                if isinstance(exc.__cause__, BlockingIOError):
+                    continue  # another live producer holds this slot
+                raise
+            self._outbox = outbox
+            log.info("producer_slot", slot=slot, outbox=str(s.producer_outbox_dir(slot)))
+            return recovered
+        raise StoreError(f"all {_PRODUCER_SLOTS} producer slots of {s.db_path} are in use")
+
     def _runner_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None and self._state == _OPEN:
             # Accepted turns stay durable in the outbox; the next start commits them.
@@ -233,6 +275,10 @@ class MemoryPipeline:
                 await tg.start(self._recaller, i)
             await tg.start(self._replicator)
             tg.start_soon(self._maintainer)
+            if self._role == "worker":
+                tg.start_soon(self._recall_server)
+            elif self._role == "producer":
+                tg.start_soon(self._recall_results_poller)
             ready.set()
             await self._stop.wait()
             tg.cancel_scope.cancel()
@@ -499,6 +545,11 @@ class MemoryPipeline:
             dead_letters=c["dead_letters"],
             sanitized_turns=c["sanitized"],
             outbox_segments=counts.segments,
+            role=self._role,
+            inbox_turns=self._inbox_counts[0],
+            inbox_oldest_age_s=(0.0 if self._inbox_counts[1] is None
+                                else max(0.0, time.time() - self._inbox_counts[1])),
+            inbox_committed_turns=c["inbox_committed"],
         )
 
     # -- the writer --------------------------------------------------------------------
@@ -512,9 +563,15 @@ class MemoryPipeline:
                 if not self._outbox.has_work():
                     if self._writer_stop:
                         return
+                    if self._role == "worker" and await self._drain_inbox():
+                        continue
                     self._work.clear()
                     if not self._outbox.has_work() and not self._writer_stop:
-                        await self._work.wait()
+                        if self._role == "worker":  # the inbox has no wake-up: poll it
+                            with anyio.move_on_after(s.shared_poll_ms / 1000):
+                                await self._work.wait()
+                        else:
+                            await self._work.wait()
                     continue
                 if (
                     not self._hurry
@@ -560,6 +617,59 @@ class MemoryPipeline:
                 break  # recovered turns get their own batch: they need a done-keys check
         return turns, recovered
 
+    async def _drain_inbox(self) -> bool:
+        """A worker's turn at the shared inbox: claim a batch under a lease and commit it.
+        Returns whether it found turns."""
+        s = self.settings
+        if self._clock() >= self._next_sweep:
+            self._next_sweep = self._clock() + _LEASE_SWEEP_S
+            await self._sweep_gone_leases()
+        rows = await self._retry(
+            lambda: self.store.claim_inbox(self._owner, s.lease_s, s.max_batch)
+        )
+        if not rows:
+            return False
+        turns: list[Turn] = []
+        now = self._clock()
+        slice_ = _Slice()
+        for inbox_id, key, session_id, accepted_at, record in rows:
+            try:
+                turn = Turn.decode(record.encode("utf-8"), accepted_mono=now)
+            except (ValueError, KeyError, TypeError, UnicodeError) as exc:
+                # Not a record a producer of ours wrote: keep it as a dead letter, go on.
+                stub = Turn.unpack((key, inbox_id, session_id, None, accepted_at, "", 0, 0, now,
+                                    0, 0, "", "", None, None, None, 0, 0, False))
+                await self._dead_letter_unreadable(stub, record, exc)
+                continue
+            turns.append(turn._replace(seq=inbox_id))
+            await slice_.maybe_yield()
+        if turns:
+            await self._commit(turns, inbox=True)
+        return True
+
+    async def _dead_letter_unreadable(self, stub: Turn, record: str, exc: Exception) -> None:
+        error = f"unreadable inbox record: {type(exc).__name__}: {exc}"
+        payload = record.encode("utf-8", "replace")
+        await self._retry(lambda: self.store.dead_letter(stub, error, 1, payload))
+        await self._retry(lambda: self.store.delete_inbox([stub.seq]))
+        self._counts["dead_letters"] += 1
+        log.error("inbox_record_unreadable", key=stub.key, error=error)
+
+    async def _sweep_gone_leases(self) -> None:
+        """Take back the claims of workers on this host whose process is gone: their turns
+        need not wait out the lease."""
+        host = socket.gethostname()
+        for owner in await self._retry(self.store.lease_owners):
+            if owner == self._owner:
+                continue
+            owner_host, _, rest = owner.partition(":")
+            pid_text = rest.partition(":")[0]
+            if owner_host != host or not pid_text.isdigit() or _process_alive(int(pid_text)):
+                continue
+            released = await self._retry(lambda: self.store.release_leases(owner))  # noqa: B023
+            self._counts["leases_reclaimed"] += released
+            log.warning("inbox_leases_reclaimed", owner=owner, turns=released)
+
     async def _write_batch(self, turns: list[Turn], recovered: bool) -> None:
         if recovered:
             turns = await self._drop_stored(turns)
@@ -567,20 +677,31 @@ class MemoryPipeline:
                 return
         await self._commit(turns)
 
-    async def _drop_stored(self, turns: list[Turn]) -> list[Turn]:
+    async def _drop_stored(self, turns: list[Turn], inbox: bool = False) -> list[Turn]:
         """Settle the turns the store already holds (a replay); return the rest."""
-        done = await self._retry(lambda: self.store.done_keys(t.key for t in turns))
+        waiting = self._role == "producer"  # handed to the inbox counts as held
+        done = await self._retry(
+            lambda: self.store.done_keys((t.key for t in turns), waiting=waiting)
+        )
         if not done:
             return turns
         skipped = [t for t in turns if t.key in done]
-        log.info("outbox_replay_skipped", turns=len(skipped))
-        await self._settle(skipped, committed=False)
+        log.info("outbox_replay_skipped", turns=len(skipped), inbox=inbox)
+        await self._settle(skipped, committed=False, inbox=inbox)
         return [t for t in turns if t.key not in done]
 
-    async def _commit(self, turns: list[Turn]) -> None:
-        """Commit ``turns`` in order; isolate and dead-letter what cannot be stored."""
+    async def _commit(self, turns: list[Turn], inbox: bool = False) -> None:
+        """Commit ``turns`` in order; isolate and dead-letter what cannot be stored.
+
+        ``inbox``: the turns were claimed from the shared inbox (their ``seq`` is the inbox
+        row), not accepted here. A producer's commit hands the batch to the inbox instead.
+        """
         started = self._clock()
         batch = Batch(self.store.source)
+        if inbox:
+            batch.inbox_ids = [t.seq for t in turns]
+            batch.lease_owner = self._owner
+        write = self.store.forward_batch if self._role == "producer" else self.store.commit_batch
         slice_ = _Slice()
         for i in range(0, len(turns), _CHUNK):
             if i:
@@ -591,7 +712,7 @@ class MemoryPipeline:
         attempt = 0
         while True:
             try:
-                await self.store.commit_batch(batch)
+                await write(batch)
                 break
             except sqlite3.OperationalError as exc:
                 # Busy, locked, I/O, disk full: the store's trouble, not the turns'. Retry the
@@ -603,50 +724,62 @@ class MemoryPipeline:
                     raise _Stopping from exc  # shutdown: the batch stays in the outbox
                 await anyio.sleep(self._backoff(attempt))
             except sqlite3.IntegrityError as exc:
-                remaining = await self._drop_stored(turns)
+                if inbox and "held" in str(exc):
+                    # Our lease ran out and another worker took these turns: they are its.
+                    self._counts["leases_lost"] += len(turns)
+                    log.warning("inbox_lease_lost", turns=len(turns))
+                    return
+                remaining = await self._drop_stored(turns, inbox)
                 if len(remaining) < len(turns):
                     if remaining:
-                        await self._commit(remaining)
+                        await self._commit(remaining, inbox)
                     return
-                await self._isolate(turns, exc)
+                await self._isolate(turns, exc, inbox)
                 return
             except Exception as exc:  # the per-job boundary: route, count, log
-                await self._isolate(turns, exc)
+                await self._isolate(turns, exc, inbox)
                 return
         now = self._clock()
         rows = batch.n_messages
         self._meter.record_batch(now, len(turns), rows)
         self._rows_since_vocab += rows
-        await self._settle(turns, committed=True)
+        await self._settle(turns, committed=True, inbox=inbox)
         self._outbox.prepare_spare()
         await self._prefault()
-        self._hand_to_replica(turns)
+        if self._role != "producer":
+            self._hand_to_replica(turns)
         log.info(
-            "batch_committed", turns=len(turns), rows=rows,
+            "batch_forwarded" if self._role == "producer" else "batch_committed",
+            turns=len(turns), rows=rows, inbox=inbox,
             sessions=batch.session_count(),
             duration_ms=round((now - started) * 1000, 2), attempts=attempt + 1,
             queued=self._outbox.queued(), deferred=self._outbox.deferred(),
         )
 
-    async def _isolate(self, turns: list[Turn], exc: BaseException) -> None:
+    async def _isolate(self, turns: list[Turn], exc: BaseException, inbox: bool = False) -> None:
         """Split a failing batch until the turn that fails is alone, then dead-letter it."""
         if len(turns) > 1:
             mid = len(turns) // 2
-            await self._commit(turns[:mid])
-            await self._commit(turns[mid:])
+            await self._commit(turns[:mid], inbox)
+            await self._commit(turns[mid:], inbox)
             return
         turn = turns[0]
         error = f"{type(exc).__name__}: {exc}"
         for attempt in range(1, self.settings.commit_max_attempts):
             await anyio.sleep(self._backoff(attempt))
             try:
-                await self.store.commit(turns)
+                if inbox:
+                    batch = Batch.of(turns, self.store.source)
+                    batch.inbox_ids, batch.lease_owner = [turn.seq], self._owner
+                    await self.store.commit_batch(batch)
+                else:
+                    await self.store.commit(turns)
             except sqlite3.OperationalError:
                 raise  # not this turn's fault after all; the caller's loop retries
             except Exception as again:  # the per-job boundary
                 error = f"{type(again).__name__}: {again}"
                 continue
-            await self._settle(turns, committed=True)
+            await self._settle(turns, committed=True, inbox=inbox)
             return
         payload = _safe_payload(turn)
         await self._retry(
@@ -654,7 +787,7 @@ class MemoryPipeline:
         )
         self._counts["dead_letters"] += 1
         log.error("turn_dead_lettered", key=turn.key, session_id=turn.session_id, error=error)
-        await self._settle(turns, committed=False)
+        await self._settle(turns, committed=False, inbox=inbox)
 
     async def _retry(self, op: Callable[[], Any]) -> Any:
         """Run a store call until the store answers; its failures are the store's, not data's."""
@@ -674,15 +807,21 @@ class MemoryPipeline:
         base = float(self.settings.commit_retry_base_s) * 2.0 ** min(attempt, 10)
         return min(_RETRY_CAP_S, base) * (0.5 + random.random() / 2)
 
-    async def _settle(self, turns: list[Turn], *, committed: bool) -> None:
+    async def _settle(self, turns: list[Turn], *, committed: bool, inbox: bool = False) -> None:
         """These turns are done with (stored, found stored, or dead-lettered), in order."""
+        if inbox and not committed:  # a commit removes its inbox rows; else do it here
+            await self._retry(lambda: self.store.delete_inbox([t.seq for t in turns]))
         slice_ = _Slice()
         for i in range(0, len(turns), _CHUNK):
             if i:
                 await slice_.maybe_yield()
             chunk = turns[i : i + _CHUNK]
-            self._outbox.mark_done(chunk)
-            self._processed += len(chunk)
+            if inbox:
+                if committed:
+                    self._counts["inbox_committed"] += len(chunk)
+            else:
+                self._outbox.mark_done(chunk)
+                self._processed += len(chunk)
             if committed:
                 self._committed += len(chunk)
                 now = self._clock()
@@ -741,6 +880,13 @@ class MemoryPipeline:
                 with anyio.move_on_after(_RECALL_BARRIER_S):
                     await self._wait_processed(target)
             user_id = user_id or self._cache.user_of(session_id)
+            if self._role == "producer":
+                try:  # the worker runs it; the results poller brings the block back
+                    await self.store.request_recall(session_id, user_id, query)
+                except Exception as exc:  # the per-job boundary
+                    self._counts["recall_errors"] += 1
+                    log.warning("recall_request_failed", session_id=session_id, error=str(exc))
+                continue
             try:
                 block = await self._recall_shared(query, user_id, session_id)
             except Exception as exc:  # the per-job boundary
@@ -797,6 +943,46 @@ class MemoryPipeline:
         )
         return render_hits(hits)
 
+    async def _recall_server(self) -> None:
+        """A worker serves the producers' recall requests and writes the blocks back."""
+        poll = self.settings.shared_poll_ms / 1000
+        while True:
+            try:
+                requests = await self.store.take_recall_requests(64)
+            except Exception as exc:  # the per-job boundary
+                log.warning("recall_requests_unreadable", error=str(exc))
+                requests = []
+            if not requests:
+                await anyio.sleep(poll)
+                continue
+            for session_id, user_id, query, after_id in requests:
+                try:
+                    # The turns handed in before the request first, as for a local recall.
+                    with anyio.move_on_after(_RECALL_BARRIER_S):
+                        # Another process's progress: there is no event to wait on.
+                        while await self.store.inbox_holds(after_id):  # noqa: ASYNC110
+                            await anyio.sleep(poll)
+                    block = await self._recall_shared(query, user_id, session_id)
+                    await self.store.put_recall_result(session_id, user_id, query, block)
+                    self._counts["recalls_served"] += 1
+                except Exception as exc:  # the per-job boundary
+                    self._counts["recall_errors"] += 1
+                    log.warning("recall_serve_failed", session_id=session_id, error=str(exc))
+
+    async def _recall_results_poller(self) -> None:
+        """A producer copies the recall blocks a worker wrote into its prefetch cache."""
+        poll = self.settings.shared_poll_ms / 1000
+        while True:
+            await anyio.sleep(poll)
+            try:
+                rows = await self.store.recall_results_since(self._recall_version)
+            except Exception as exc:  # the per-job boundary
+                log.warning("recall_results_unreadable", error=str(exc))
+                continue
+            for session_id, user_id, query, block, version in rows:
+                self._cache.set_recall(session_id, user_id, query, block)
+                self._recall_version = version
+
     # -- upkeep ------------------------------------------------------------------------
 
     async def _maintainer(self) -> None:
@@ -807,12 +993,16 @@ class MemoryPipeline:
             try:
                 self._outbox.prepare_spare()
                 await self._prefault()
+                if self._role == "producer":
+                    continue  # the worker keeps the store; done keys guard every producer
                 oldest = self._outbox.oldest_segment()
                 if oldest > last_pruned:
                     await self.store.prune_outbox(oldest)
                     last_pruned = oldest
                 if self._rows_since_vocab and self._clock() >= self._vocab_next:
                     await self._refresh_vocab()
+                if self._role == "worker":
+                    self._inbox_counts = await self.store.inbox_counts()
             except Exception as exc:  # the per-job boundary
                 log.warning("maintenance_failed", error=str(exc))
 
@@ -841,6 +1031,16 @@ def _check_clean_id(name: str, value: object) -> None:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise InvalidTurnError(f"{name} holds a lone surrogate") from exc
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, someone else's
+    return True
 
 
 def _safe_payload(turn: Turn) -> bytes:

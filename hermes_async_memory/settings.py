@@ -15,6 +15,8 @@ from .errors import ConfigurationError
 
 OverflowPolicy = Literal["defer", "reject"]
 OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("defer", "reject")
+Role = Literal["embedded", "producer", "worker"]
+ROLES: tuple[Role, ...] = ("embedded", "producer", "worker")
 
 APP_NAME = "hermes-async-memory"
 ENV_PREFIX = "HERMES_MEMORY_"
@@ -70,6 +72,17 @@ class Settings:
     source: str = "api"
     # Shutdown.
     shutdown_deadline_s: float = 10.0
+    # Several processes on one store file (see README, "Several processes, one memory"):
+    # "embedded" does everything in this process; "producer" (a gateway) only makes turns
+    # durable, hands them to the shared file's inbox and reads recalls a worker wrote;
+    # "worker" (python -m workers) also drains the inbox and serves the producers' recalls.
+    role: Role = "embedded"
+    # A worker's claim on inbox turns expires after lease_s unless it commits them; claims of
+    # a worker process that is gone (same host) are taken back at once.
+    lease_s: float = 30.0
+    # How often an idle worker looks for new inbox turns and recall requests, and a
+    # producer for recall results.
+    shared_poll_ms: float = 20.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
@@ -87,6 +100,12 @@ class Settings:
             "max_wait_ms", "commit_retry_base_s", "frequent_terms_refresh_s", "frequent_term_ratio",
             "shutdown_deadline_s", "busy_timeout_ms", "recent_turns", "recent_chars",
         )
+        if self.role not in ROLES:
+            raise ConfigurationError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        for name in ("lease_s", "shared_poll_ms"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigurationError(f"{name} must be a positive number, got {value!r}")
         for name in non_negative:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
@@ -102,6 +121,11 @@ class Settings:
     def outbox_dir(self) -> Path:
         """Where the outbox segments live, beside the store file."""
         return self.db_path.with_name(self.db_path.name + ".outbox")
+
+    def producer_outbox_dir(self, slot: int) -> Path:
+        """A producer's own outbox: each producer process holds one slot (a locked folder);
+        a restarted producer takes a free slot and commits what a dead one left there."""
+        return self.db_path.with_name(f"{self.db_path.name}.outbox-p{slot}")
 
     def replace(self, **changes: object) -> Settings:
         """A copy with some fields changed."""

@@ -35,6 +35,11 @@ class PipelineStats:
     dead_letters: int
     sanitized_turns: int
     outbox_segments: int
+    # Several processes, one memory (a worker's view; zero elsewhere).
+    role: str = "embedded"
+    inbox_turns: int = 0
+    inbox_oldest_age_s: float = 0.0
+    inbox_committed_turns: int = 0
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -89,6 +89,60 @@ CREATE TABLE IF NOT EXISTS outbox (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS idx_outbox_segment ON outbox(segment);
 CREATE INDEX IF NOT EXISTS idx_outbox_open ON outbox(status) WHERE status != 'done';
+-- Several processes, one memory: producers hand turns to the inbox, a worker claims them
+-- under a lease and commits them; producers ask for recalls, the worker answers.
+CREATE TABLE IF NOT EXISTS inbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT NOT NULL UNIQUE,
+    session_id TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    accepted_at REAL NOT NULL,
+    lease_owner TEXT,
+    lease_until REAL
+);
+CREATE INDEX IF NOT EXISTS idx_inbox_session ON inbox(session_id, id);
+CREATE TABLE IF NOT EXISTS recall_requests (
+    session_id TEXT PRIMARY KEY,
+    user_id TEXT,
+    query TEXT NOT NULL,
+    after_id INTEGER NOT NULL,
+    requested_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS recall_results (
+    session_id TEXT PRIMARY KEY,
+    user_id TEXT,
+    query TEXT NOT NULL,
+    block TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS idx_recall_results_version ON recall_results(version);
+"""
+# Set on the writer connection: a batch of inbox turns commits only while its lease holds.
+_LEASE_GUARD = """
+CREATE TEMP TABLE IF NOT EXISTS lease_guard (held INTEGER NOT NULL CHECK (held));
+"""
+# A producer's batch: the turns' records as they are, unless a worker already committed them
+# (a producer replaying its outbox after a crash) or they are already waiting.
+_FORWARD = """
+INSERT INTO inbox (key, session_id, accepted_at, payload)
+SELECT v.column1, v.column2, v.column3, v.column4 FROM (VALUES {rows}) AS v
+WHERE NOT EXISTS (SELECT 1 FROM outbox o WHERE o.key = v.column1)
+ON CONFLICT (key) DO NOTHING;
+"""
+# The oldest unclaimed inbox turns, never one whose session has an earlier turn still under
+# another worker's live claim: per-session order holds across workers and restarts.
+_CLAIM = """
+UPDATE inbox SET lease_owner = :owner, lease_until = :until
+WHERE id IN (
+    SELECT i.id FROM inbox AS i
+    WHERE (i.lease_owner IS NULL OR i.lease_owner = :owner OR i.lease_until < :now)
+      AND NOT EXISTS (
+          SELECT 1 FROM inbox AS j
+          WHERE j.session_id = i.session_id AND j.id < i.id AND j.lease_owner != :owner
+            AND j.lease_until >= :now)
+    ORDER BY i.id LIMIT :limit)
+RETURNING id, key, session_id, accepted_at, payload
 """
 
 # Sessions are created lazily and their counters summed, from the messages the batch just
@@ -220,6 +274,9 @@ class Batch:
         self._runs: list[list[int]] = []
         self._session_ids: set[str] = set()
         self._has_nul = False
+        # Turns claimed from the shared inbox: their rows, and the lease they are under.
+        self.inbox_ids: list[int] = []
+        self.lease_owner: str | None = None
 
     @classmethod
     def of(cls, turns: Sequence[Turn], source: str) -> Batch:
@@ -295,6 +352,9 @@ class SqliteStore:
         self._busy_timeout_ms = busy_timeout_ms
         self.source = source
         self._writer: aiosqlite.Connection | None = None
+        # Small autocommit writes beside the writer's batches (recall requests and results),
+        # so they never land inside a batch's open transaction.
+        self._aux: aiosqlite.Connection | None = None
         self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
         self._all_readers: list[aiosqlite.Connection] = []
         self.frequent_terms: frozenset[str] = frozenset()
@@ -330,6 +390,7 @@ class SqliteStore:
                     f"{self.path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
                 )
             await self._writer.commit()
+            await self._writer.executescript(_LEASE_GUARD)
             for _ in range(self._readers_n):
                 conn = await self._connect(readonly=True)
                 self._all_readers.append(conn)
@@ -359,10 +420,22 @@ class SqliteStore:
         for conn in reversed(readers):
             with contextlib.suppress(sqlite3.Error, ValueError):
                 await conn.close()
+        aux, self._aux = self._aux, None
+        if aux is not None:
+            with contextlib.suppress(sqlite3.Error, ValueError):
+                await aux.close()
         writer, self._writer = self._writer, None
         if writer is not None:
             with contextlib.suppress(sqlite3.Error, ValueError):
                 await writer.close()
+
+    async def aux(self) -> aiosqlite.Connection:
+        """The connection for small writes outside the writer's batches (opened on first use)."""
+        if self._writer is None:
+            raise StoreError("the store is not open")
+        if self._aux is None:
+            self._aux = await self._connect()
+        return self._aux
 
     @property
     def writer(self) -> aiosqlite.Connection:
@@ -409,6 +482,16 @@ class SqliteStore:
             _INSERT_DONE.format(segment=int(segment), now=now, start=start, after=after, upto=upto)
             for segment, after, upto in batch.segment_runs(0)
         ]
+        if batch.inbox_ids:
+            # Inbox turns leave the inbox in the same transaction, and only while this
+            # worker's lease on every one of them holds (else: IntegrityError, rolled back).
+            ids = ",".join(str(int(i)) for i in batch.inbox_ids)
+            owner = sql_literal(batch.lease_owner or "")
+            script.append(
+                f"INSERT INTO temp.lease_guard (held) SELECT count(*) = {len(batch.inbox_ids)} "
+                f"FROM inbox WHERE id IN ({ids}) AND lease_owner = {owner};"
+                f"DELETE FROM temp.lease_guard; DELETE FROM inbox WHERE id IN ({ids});"
+            )
         try:
             if batch.has_nul:  # rare: bind the rows one by one, NUL and all
                 await db.execute("BEGIN IMMEDIATE")
@@ -441,8 +524,9 @@ class SqliteStore:
              turn.accepted_at, now),
         )
 
-    async def done_keys(self, keys: Iterable[str]) -> set[str]:
-        """Which of these turn keys the store already holds (done or dead)."""
+    async def done_keys(self, keys: Iterable[str], *, waiting: bool = False) -> set[str]:
+        """Which of these turn keys the store already holds (done or dead), and with
+        ``waiting``, also those waiting in the shared inbox."""
         keys = list(keys)
         found: set[str] = set()
         db = self.writer
@@ -451,6 +535,11 @@ class SqliteStore:
             marks = ",".join("?" * len(chunk))
             async with db.execute(f"SELECT key FROM outbox WHERE key IN ({marks})", chunk) as cur:
                 found.update(r[0] for r in await cur.fetchall())
+            if waiting:
+                async with db.execute(
+                    f"SELECT key FROM inbox WHERE key IN ({marks})", chunk
+                ) as cur:
+                    found.update(r[0] for r in await cur.fetchall())
         return found
 
     async def next_segment(self) -> int:
@@ -459,10 +548,135 @@ class SqliteStore:
             row = await cur.fetchone()
         return int(row[0]) if row else 1
 
+    # -- several processes, one memory -------------------------------------------------
+
+    async def forward_batch(self, batch: Batch) -> None:
+        """A producer's batch into the shared inbox, in accept order, in one transaction.
+        Turns the store already holds or already has waiting are skipped.
+
+        Raises:
+            sqlite3.Error: the transaction failed and was rolled back; nothing was stored.
+        """
+        rows = ",".join([
+            f"({sql_literal(t.key)},{sql_literal(t.session_id)},{float(t.accepted_at)!r},"
+            f"'{t.payload}')"  # the record holds no quote (see Turn.build)
+            for t in batch.turns
+        ])
+        db = self.writer
+        try:
+            await db.executescript("BEGIN IMMEDIATE;" + _FORWARD.format(rows=rows))
+            await self._commit_transaction()
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                await db.execute("ROLLBACK")
+            raise
+
+    async def claim_inbox(
+        self, owner: str, lease_s: float, limit: int
+    ) -> list[tuple[int, str, str, float, str]]:
+        """Claim up to ``limit`` inbox turns for ``lease_s``, oldest first:
+        (inbox id, key, session_id, accepted_at, record)."""
+        now = time.time()
+        params = {"owner": owner, "until": now + lease_s, "now": now, "limit": limit}
+        async with self.writer.execute(_CLAIM, params) as cur:
+            rows = await cur.fetchall()
+        return sorted((int(r[0]), str(r[1]), str(r[2]), float(r[3]), str(r[4])) for r in rows)
+
+    async def lease_owners(self) -> list[str]:
+        """The workers holding live claims on inbox turns."""
+        sql = "SELECT DISTINCT lease_owner FROM inbox WHERE lease_until >= ?"
+        async with self.writer.execute(sql, (time.time(),)) as cur:
+            return [str(r[0]) for r in await cur.fetchall()]
+
+    async def release_leases(self, owner: str) -> int:
+        """Drop a gone worker's claims, so its turns can be claimed again now."""
+        cur = await self.writer.execute(
+            "UPDATE inbox SET lease_owner = NULL, lease_until = NULL WHERE lease_owner = ?",
+            (owner,),
+        )
+        return cur.rowcount
+
+    async def delete_inbox(self, ids: Sequence[int]) -> None:
+        """Remove inbox turns that are settled another way (found stored, dead-lettered)."""
+        for i in range(0, len(ids), _KEY_CHUNK):
+            chunk = [int(x) for x in ids[i : i + _KEY_CHUNK]]
+            await self.writer.execute(
+                f"DELETE FROM inbox WHERE id IN ({','.join('?' * len(chunk))})", chunk
+            )
+
+    async def inbox_counts(self) -> tuple[int, float | None]:
+        """Turns waiting in the inbox, and when the oldest was accepted (epoch seconds)."""
+        async with self.reader() as db, db.execute(
+            "SELECT count(*), min(accepted_at) FROM inbox"
+        ) as cur:
+            row = await cur.fetchone()
+        return (int(row[0]), row[1]) if row else (0, None)
+
+    async def request_recall(self, session_id: str, user_id: str | None, query: str) -> None:
+        """Ask the worker for a recall; a newer request replaces an older unserved one."""
+        await (await self.aux()).execute(
+            "INSERT INTO recall_requests (session_id, user_id, query, after_id, requested_at) "
+            "VALUES (?, ?, ?, (SELECT coalesce(max(id), 0) FROM inbox), ?) "
+            "ON CONFLICT (session_id) DO UPDATE SET user_id = excluded.user_id, "
+            "query = excluded.query, after_id = excluded.after_id, "
+            "requested_at = excluded.requested_at",
+            (session_id, user_id, query, time.time()),
+        )
+
+    async def take_recall_requests(self, limit: int) -> list[tuple[str, str | None, str, int]]:
+        """The oldest recall requests, removed: (session_id, user_id, query, after_id)."""
+        sql = (
+            "DELETE FROM recall_requests WHERE session_id IN (SELECT session_id FROM "
+            "recall_requests ORDER BY requested_at LIMIT ?) "
+            "RETURNING session_id, user_id, query, after_id, requested_at"
+        )
+        async with (await self.aux()).execute(sql, (limit,)) as cur:
+            rows = list(await cur.fetchall())
+        rows.sort(key=lambda r: float(r[4]))
+        return [(r[0], r[1], r[2], int(r[3])) for r in rows]
+
+    async def inbox_holds(self, up_to_id: int) -> bool:
+        """Whether turns handed in up to ``up_to_id`` still wait (any session: a recall
+        reaches across the user's sessions)."""
+        async with self.reader() as db, db.execute(
+            "SELECT 1 FROM inbox WHERE id <= ? LIMIT 1", (up_to_id,)
+        ) as cur:
+            return await cur.fetchone() is not None
+
+    async def put_recall_result(self, session_id: str, user_id: str | None, query: str,
+                                block: str) -> None:
+        await (await self.aux()).execute(
+            "INSERT INTO recall_results (session_id, user_id, query, block, version, updated_at) "
+            "VALUES (?, ?, ?, ?, (SELECT coalesce(max(version), 0) + 1 FROM recall_results), ?) "
+            "ON CONFLICT (session_id) DO UPDATE SET user_id = excluded.user_id, "
+            "query = excluded.query, block = excluded.block, version = excluded.version, "
+            "updated_at = excluded.updated_at",
+            (session_id, user_id, query, block, time.time()),
+        )
+
+    async def recall_results_since(
+        self, version: int, limit: int = 1000
+    ) -> list[tuple[str, str | None, str, str, int]]:
+        """Recall results written after ``version``: (session, user, query, block, version)."""
+        async with self.reader() as db, db.execute(
+            "SELECT session_id, user_id, query, block, version FROM recall_results "
+            "WHERE version > ? ORDER BY version LIMIT ?", (version, limit)
+        ) as cur:
+            rows = await cur.fetchall()
+        return [(r[0], r[1], r[2], r[3], int(r[4])) for r in rows]
+
+    async def recall_version(self) -> int:
+        async with self.reader() as db, db.execute(
+            "SELECT coalesce(max(version), 0) FROM recall_results"
+        ) as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
     async def prune_outbox(self, below_segment: int) -> int:
         """Forget 'done' keys whose outbox segment is gone: they can never be replayed."""
         cur = await self.writer.execute(
-            "DELETE FROM outbox WHERE status = 'done' AND segment < ?", (below_segment,)
+            "DELETE FROM outbox WHERE status = 'done' AND segment > 0 AND segment < ?",
+            (below_segment,)
         )
         return cur.rowcount
 
@@ -529,3 +743,103 @@ class SqliteStore:
         ) as cur:
             rows = await cur.fetchall()
         return [DeadLetter(*r) for r in rows]
+
+    # -- dead letters --------------------------------------------------------------------
+
+    async def replay_dead_letters(
+        self, keys: Iterable[str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """Commit dead-lettered turns again, each under its own idempotency key.
+
+        For each key one transaction removes the dead outbox row and commits the turn as
+        ``commit_batch`` does: its messages, their FTS rows, the session's counters and an
+        outbox row 'done' with the same key, so the turn is stored once at most. A turn that
+        fails again is rolled back and stays dead, with the new error and one more attempt.
+        Returns the keys replayed, and for each other key why not (also: not a dead letter).
+
+        Raises:
+            StoreError: the store itself failed (busy, locked, I/O), which is no fault of a
+                turn's; the keys replayed before it stay replayed.
+        """
+        replayed: list[str] = []
+        failed: dict[str, str] = {}
+        for key in dict.fromkeys(keys):
+            try:
+                error = await self._replay_dead_letter(key)
+            except sqlite3.OperationalError as exc:
+                raise StoreError(
+                    f"replaying {key} failed in the store: {exc} "
+                    f"({len(replayed)} dead letters replayed before it)"
+                ) from exc
+            if error is None:
+                replayed.append(key)
+            else:
+                failed[key] = error
+        return replayed, failed
+
+    async def _replay_dead_letter(self, key: str) -> str | None:
+        """One dead letter in one transaction; returns why it stays dead, or None."""
+        db = self.writer
+        await db.execute("BEGIN IMMEDIATE")
+        try:
+            async with db.execute(
+                "SELECT segment, payload FROM outbox WHERE key = ? AND status = 'dead'", (key,)
+            ) as cur:
+                row = await cur.fetchone()
+            if row is None:
+                await db.execute("ROLLBACK")
+                return "not a dead letter"
+            try:
+                batch = Batch.of([_dead_turn(key, row[0], row[1])], self.source)
+                await db.execute("DELETE FROM outbox WHERE key = ?", (key,))
+                # Bound row by row, as commit_batch does for text with NUL: one turn, and
+                # inside a transaction executescript would first commit.
+                await db.executemany(_INSERT_MESSAGE_ROW, batch.message_rows())
+                for statement in self._replay_statements(batch):
+                    await db.execute(statement)
+            except sqlite3.OperationalError:
+                raise  # the store's trouble, not the turn's
+            except (sqlite3.Error, ValueError, LookupError, TypeError, AttributeError) as exc:
+                await db.execute("ROLLBACK")
+                error = f"{type(exc).__name__}: {exc}"
+                await db.execute(
+                    "UPDATE outbox SET attempts = attempts + 1, last_error = ?, updated_at = ? "
+                    "WHERE key = ? AND status = 'dead'",
+                    (error[:2000], time.time(), key),
+                )
+                return error
+            await self._commit_transaction()
+            return None
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                await db.execute("ROLLBACK")
+            raise
+
+    def _replay_statements(self, batch: Batch) -> list[str]:
+        """commit_batch's statements after the messages insert (index, sessions, 'done')."""
+        start = f"((SELECT max(id) FROM messages) - {int(batch.n_messages)})"
+        now = repr(time.time())
+        script = [_INDEX_BATCH.format(start=start),
+                  _UPSERT_SESSIONS.format(start=start, now=now, source=sql_literal(batch.source))]
+        script += [
+            _INSERT_DONE.format(segment=int(segment), now=now, start=start, after=after, upto=upto)
+            for segment, after, upto in batch.segment_runs(0)
+        ]
+        return script
+
+
+def _dead_turn(key: str, segment: int, payload: bytes | str | None) -> Turn:
+    """The turn a dead outbox row holds.
+
+    Raises:
+        ValueError, LookupError, TypeError: the payload is not the turn's record.
+    """
+    if payload is None:
+        raise ValueError("the dead letter holds no payload")
+    record = payload.encode("utf-8") if isinstance(payload, str) else bytes(payload)
+    turn = Turn.decode(record, segment=int(segment))
+    if turn.key != key:
+        raise ValueError(f"the payload is turn {turn.key!r}, not {key!r}")
+    if turn.n_messages == 0:
+        raise ValueError("the turn holds no messages")
+    return turn

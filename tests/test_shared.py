@@ -1,0 +1,243 @@
+"""Several pipelines on one store file: producers hand turns to the inbox, a worker commits
+them under leases and serves the producers' recalls.
+
+Invariants checked on every turn: each accepted turn is stored exactly once, and each
+session's turns are stored in the order they were accepted.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sqlite3
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import anyio
+import pytest
+
+from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory.store import Batch, SqliteStore
+from hermes_async_memory.turns import Turn, turn_messages
+
+from .helpers import count_rows, stored_turns
+
+WAIT_S = 30.0  # generous for a busy CI machine; nothing waits this long when things work
+
+
+async def eventually(check: Callable[[], bool], what: str, within: float = WAIT_S) -> None:
+    """Wait for another pipeline's progress, which has no event to await: poll ``check``."""
+    with anyio.fail_after(within):
+        while not check():  # noqa: ASYNC110 - another pipeline's (process's) state
+            await anyio.sleep(0.01)
+    assert check(), what
+
+
+def shared(db: Path, role: str, **extra: object) -> Settings:
+    return Settings(db_path=db, role=role, shared_poll_ms=5.0, **extra)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    return tmp_path / "memory.db"
+
+
+@pytest.fixture
+async def worker(db: Path) -> AsyncIterator[MemoryPipeline]:
+    async with MemoryPipeline(shared(db, "worker")) as mem:
+        yield mem
+
+
+async def test_three_producers_one_worker_store_every_turn_once_in_order(
+    db: Path, worker: MemoryPipeline
+) -> None:
+    accepted: dict[str, list[str]] = {}
+    async with AsyncExitStack() as stack:
+        producers = [
+            await stack.enter_async_context(MemoryPipeline(shared(db, "producer")))
+            for _ in range(3)
+        ]
+        # Each producer has its own outbox slot beside the store.
+        assert len({p._outbox._dir for p in producers}) == 3
+        for i in range(600):
+            p = producers[i % 3]
+            sid = f"s{i % 3}-{i % 20}"
+            receipt = p.sync_turn(f"question {i}", f"answer {i}", session_id=sid,
+                                  user_id=f"u{i % 7}")
+            accepted.setdefault(sid, []).append(receipt.key)
+        for p in producers:
+            await p.flush(timeout=WAIT_S)  # handed to the shared inbox
+        await eventually(lambda: worker.stats().inbox_committed_turns == 600,
+                         "the worker committed every handed-in turn")
+    stored = stored_turns(db)
+    assert set(stored) == set(accepted)
+    for sid, keys in accepted.items():
+        user_rows = [k for k, role, _ in stored[sid] if role == "user"]
+        assert user_rows == keys, f"session {sid}: stored once each, in accept order"
+    assert count_rows(db, "SELECT count(*) FROM inbox") == 0
+    assert count_rows(db, "SELECT count(*) FROM sessions") == len(accepted)
+
+
+async def test_a_producer_reads_the_recall_the_worker_ran(db: Path, worker: MemoryPipeline
+                                                          ) -> None:
+    async with MemoryPipeline(shared(db, "producer")) as producer:
+        producer.sync_turn("my invoice number is INV-4471", "noted",
+                           session_id="s1", user_id="alice")
+        producer.sync_turn("the staging password rotates on fridays", "ok",
+                           session_id="s2", user_id="bob")
+        producer.queue_prefetch("which invoice did I mention", session_id="s1-next",
+                                user_id="alice")
+        await eventually(lambda: "INV-4471" in producer.prefetch("", session_id="s1-next"),
+                         "the worker's recall reached the producer's cache")
+        block = producer.prefetch("", session_id="s1-next")
+        assert "fridays" not in block, "alice's recall must not hold bob's text"
+    assert count_rows(db, "SELECT count(*) FROM recall_requests") == 0
+
+
+async def test_a_producer_sees_its_own_recent_turns_at_once(db: Path) -> None:
+    async with MemoryPipeline(shared(db, "producer")) as producer:
+        producer.sync_turn("remember the blue folder", "will do", session_id="s1")
+        await producer.flush(timeout=WAIT_S)
+        assert "blue folder" in producer.prefetch("", session_id="s1")
+
+
+async def test_a_restarted_producer_hands_in_what_a_stopped_one_left_exactly_once(
+    db: Path,
+) -> None:
+    keys = []
+    first = MemoryPipeline(shared(db, "producer"))
+    await first.start()
+    for i in range(300):
+        keys.append(first.sync_turn(f"q{i}", f"a{i}", session_id=f"s{i % 5}").key)
+    await first.aclose(deadline_s=0)  # most of it stays in the producer's own outbox
+    async with MemoryPipeline(shared(db, "producer")) as second:  # takes the same free slot
+        await second.flush(timeout=WAIT_S)
+    async with MemoryPipeline(shared(db, "worker")) as worker:
+        await eventually(lambda: count_rows(db, "SELECT count(*) FROM inbox") == 0,
+                         "the worker drained the inbox")
+        assert worker.stats().inbox_committed_turns == 300
+    stored = stored_turns(db)
+    assert sorted(k for rows in stored.values() for k, role, _ in rows if role == "user") == \
+        sorted(keys)
+
+
+def _turn(key: str, session_id: str) -> Turn:
+    return Turn.build(key=key, session_id=session_id, user_id=None, accepted_at=time.time(),
+                      messages=turn_messages(f"q {key}", f"a {key}", None), metadata=None)
+
+
+async def _handed_in(store: SqliteStore, turns: list[Turn]) -> None:
+    await store.forward_batch(Batch.of(turns, "test"))
+
+
+def _set_lease(db: Path, key: str, owner: str, until: float) -> None:
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute("UPDATE inbox SET lease_owner = ?, lease_until = ? WHERE key = ?",
+                     (owner, until, key))
+    finally:
+        conn.close()
+
+
+async def test_a_live_claim_holds_its_session_back_until_it_expires(db: Path) -> None:
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        await _handed_in(store, [_turn("a1", "A"), _turn("a2", "A"), _turn("b1", "B")])
+        # Another worker on this host, alive (our own pid), claimed a1 for 0.5 s.
+        other = f"{socket.gethostname()}:{os.getpid()}:other"
+        _set_lease(db, "a1", other, time.time() + 0.5)
+        claimed = await store.claim_inbox("me", 30.0, 100)
+        assert [key for _, key, *_ in claimed] == ["b1"], "a2 must wait behind a1"
+        assert [key for _, key, *_ in await store.claim_inbox("me", 30.0, 100)] == ["b1"]
+        with anyio.fail_after(WAIT_S):  # a claim of ours is ours to take again
+            while len(claimed := await store.claim_inbox("me", 30.0, 100)) < 3:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        assert [key for _, key, *_ in claimed] == ["a1", "a2", "b1"], "expired: ours, in order"
+    finally:
+        await store.aclose()
+
+
+async def test_a_gone_workers_claims_are_taken_back_at_once(db: Path) -> None:
+    done = await anyio.run_process([sys.executable, "-c", "import os; print(os.getpid())"])
+    gone = f"{socket.gethostname()}:{int(done.stdout)}:killed"
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        await _handed_in(store, [_turn("k1", "A"), _turn("k2", "A")])
+    finally:
+        await store.aclose()
+    _set_lease(db, "k1", gone, time.time() + 3600)  # an hour-long lease of a dead process
+    async with MemoryPipeline(shared(db, "worker")) as worker:
+        await eventually(lambda: worker.stats().inbox_committed_turns == 2,
+                         "the dead worker's claim was taken back without waiting an hour")
+    assert [k for k, role, _ in stored_turns(db)["A"] if role == "user"] == ["k1", "k2"]
+
+
+async def test_a_batch_whose_lease_was_taken_over_is_not_committed(db: Path) -> None:
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        turns = [_turn("x1", "S"), _turn("x2", "S")]
+        await _handed_in(store, turns)
+        claimed = await store.claim_inbox("me", 30.0, 100)
+        _set_lease(db, "x2", "someone-else", time.time() + 30)
+        batch = Batch.of([t._replace(seq=row[0]) for t, row in zip(turns, claimed, strict=True)],
+                         "test")
+        batch.inbox_ids, batch.lease_owner = [row[0] for row in claimed], "me"
+        with pytest.raises(sqlite3.IntegrityError, match="held"):
+            await store.commit_batch(batch)
+    finally:
+        await store.aclose()
+    assert count_rows(db) == 0, "nothing of the batch was stored"
+    assert count_rows(db, "SELECT count(*) FROM inbox") == 2
+
+
+async def test_handing_in_skips_turns_already_stored_or_waiting(db: Path) -> None:
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        turns = [_turn("d1", "S"), _turn("d2", "S")]
+        await _handed_in(store, turns)
+        await _handed_in(store, turns)  # a producer replaying after a crash
+        assert count_rows(db, "SELECT count(*) FROM inbox") == 2
+        claimed = await store.claim_inbox("me", 30.0, 100)
+        batch = Batch.of([t._replace(seq=row[0]) for t, row in zip(turns, claimed, strict=True)],
+                         "test")
+        batch.inbox_ids, batch.lease_owner = [row[0] for row in claimed], "me"
+        await store.commit_batch(batch)
+        await _handed_in(store, turns)  # and again, after the worker stored them
+        assert count_rows(db, "SELECT count(*) FROM inbox") == 0
+    finally:
+        await store.aclose()
+    assert [k for k, role, _ in stored_turns(db)["S"] if role == "user"] == ["d1", "d2"]
+
+
+async def test_an_unreadable_inbox_record_is_dead_lettered_and_the_rest_committed(
+    db: Path,
+) -> None:
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        await _handed_in(store, [_turn("g1", "S")])
+    finally:
+        await store.aclose()
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.execute("INSERT INTO inbox (key, session_id, payload, accepted_at) "
+                 "VALUES ('bad', 'S', 'not json {', 0)")
+    conn.close()
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        await _handed_in(store, [_turn("g2", "S")])
+    finally:
+        await store.aclose()
+    async with MemoryPipeline(shared(db, "worker")) as worker:
+        await eventually(lambda: count_rows(db, "SELECT count(*) FROM inbox") == 0,
+                         "the worker went past the bad record")
+        assert worker.stats().dead_letters == 1
+    assert [k for k, role, _ in stored_turns(db)["S"] if role == "user"] == ["g1", "g2"]
+    assert count_rows(db, "SELECT count(*) FROM outbox WHERE status = 'dead'") == 1
