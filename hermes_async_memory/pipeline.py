@@ -47,6 +47,7 @@ from .errors import (
     PipelineClosedError,
     StoreError,
 )
+from .metrics import PipelineObserver
 from .outbox import Outbox
 from .recall import match_expression, query_terms, render_hits
 from .settings import Settings
@@ -113,8 +114,10 @@ class MemoryPipeline:
         *,
         store: SqliteStore | None = None,
         clock: Callable[[], float] = time.monotonic,
+        observer: PipelineObserver | None = None,
     ) -> None:
         self.settings = s = settings or Settings()
+        self.observer = observer or PipelineObserver()
         self.backend = backend or NullBackend()
         self.store = store or SqliteStore(
             s.db_path, readers=s.recall_workers, busy_timeout_ms=s.busy_timeout_ms,
@@ -261,6 +264,11 @@ class MemoryPipeline:
             # Accepted turns stay durable in the outbox; the next start commits them.
             self._worker_error = task.exception()
             log.critical("pipeline_workers_failed", error=repr(task.exception()))
+
+    @property
+    def state(self) -> str:
+        """"new", "open", "closing" or "closed"."""
+        return self._state
 
     @property
     def worker_error(self) -> BaseException | None:
@@ -719,6 +727,7 @@ class MemoryPipeline:
                 # whole batch; never dead-letter good turns for it.
                 attempt += 1
                 self._counts["commit_retries"] += 1
+                self.observer.commit_retried()
                 log.warning("batch_retry", turns=len(turns), attempt=attempt, error=str(exc))
                 if self._writer_stop:
                     raise _Stopping from exc  # shutdown: the batch stays in the outbox
@@ -742,6 +751,7 @@ class MemoryPipeline:
         now = self._clock()
         rows = batch.n_messages
         self._meter.record_batch(now, len(turns), rows)
+        self.observer.batch_committed(len(turns), rows, now - started)
         self._rows_since_vocab += rows
         await self._settle(turns, committed=True, inbox=inbox)
         self._outbox.prepare_spare()
@@ -798,6 +808,7 @@ class MemoryPipeline:
             except sqlite3.OperationalError as exc:
                 attempt += 1
                 self._counts["commit_retries"] += 1
+                self.observer.commit_retried()
                 log.warning("store_retry", attempt=attempt, error=str(exc))
                 if self._writer_stop:
                     raise _Stopping from exc
@@ -921,6 +932,17 @@ class MemoryPipeline:
     async def _recall_block(self, query: str, user_id: str | None, session_id: str,
                             terms: tuple[str, ...], scope: str) -> str:
         self._counts["recalls_run"] += 1
+        started = time.perf_counter()
+        try:
+            block = await self._recall_block_from(query, user_id, session_id, terms, scope)
+        except Exception:
+            self.observer.recall_done(time.perf_counter() - started, False)
+            raise
+        self.observer.recall_done(time.perf_counter() - started, True)
+        return block
+
+    async def _recall_block_from(self, query: str, user_id: str | None, session_id: str,
+                                 terms: tuple[str, ...], scope: str) -> str:
         if not isinstance(self.backend, NullBackend):
             request = RecallRequest(query, session_id, user_id, self.settings.recall_limit)
             remote = await self.backend.recall(request)

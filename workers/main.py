@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import gc
 import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -36,6 +37,7 @@ from hermes_async_memory.cli import exit_code, fail
 from hermes_async_memory.logs import LEVELS, configure_logging
 
 from .demo import print_closed, run_demo
+from .http import HttpServer, PrometheusObserver, start_http_server
 
 log = structlog.get_logger(__name__)
 
@@ -48,6 +50,9 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT
 DEFAULT_PROG = "python -m workers"
 
 ReadyHook = Callable[[MemoryPipeline], object]
+HttpAddress = tuple[str, int]
+# The worker's own option, not a pipeline setting, so it is read here rather than in Settings.
+HTTP_ENV = "HERMES_MEMORY_HTTP"
 
 
 def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
@@ -75,7 +80,38 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
         help="log lines on stderr (default: console on a terminal, else json)",
     )
     parser.add_argument("--log-level", choices=tuple(LEVELS), default="info")
+    parser.add_argument(
+        "--http", type=_http_address, metavar="HOST:PORT",
+        help="serve GET /healthz and GET /metrics (Prometheus) on this address; port 0 picks "
+             f"a free one (default: ${HTTP_ENV}, else off)",
+    )
     return parser
+
+
+def _http_address(text: str) -> HttpAddress:
+    host, sep, port = text.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:9464
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {text!r}")
+    return host, int(port)
+
+
+def http_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> HttpAddress | None:
+    """``--http``, else ``$HERMES_MEMORY_HTTP``; None (no HTTP endpoints) when neither is set.
+
+    Raises:
+        ConfigurationError: the environment variable is not HOST:PORT.
+    """
+    address: HttpAddress | None = args.http
+    if address is not None:
+        return address
+    raw = environ.get(HTTP_ENV, "")
+    if not raw:
+        return None
+    try:
+        return _http_address(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigurationError(f"{HTTP_ENV}: {exc}") from None
 
 
 def _seconds(text: str) -> float:
@@ -94,7 +130,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     Raises:
         ConfigurationError: an environment variable or an option is invalid.
     """
-    overrides: dict[str, object] = {}
+    # The worker process also drains the shared inbox and serves producers' recalls.
+    overrides: dict[str, object] = {"role": "worker"}
     if args.db is not None:
         overrides["db_path"] = args.db
     if args.deadline is not None:
@@ -117,7 +154,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
         json = None if args.log_format is None else args.log_format == "json"
         configure_logging(json=json, level=args.log_level)
         settings = settings_from_args(args)
-        asyncio.run(run(settings, demo=args.demo))
+        http = http_from_args(args, os.environ)
+        asyncio.run(run(settings, demo=args.demo, http=http))
     except ConfigurationError as exc:
         return fail(prog, exc, EXIT_USAGE)
     except (HermesMemoryError, OSError) as exc:
@@ -133,15 +171,18 @@ async def run(
     demo: bool = False,
     ready: ReadyHook | None = None,
     out: TextIO | None = None,
+    http: HttpAddress | None = None,
 ) -> None:
     """Run the pipeline until SIGTERM or SIGINT (with ``demo``: until the demo ends), then drain.
 
     ``ready`` is called with the open pipeline right after the "worker_ready" line; ``out`` is
-    where the demo prints (stdout by default). Call it from the main thread: it installs the
-    signal handlers.
+    where the demo prints (stdout by default); ``http`` is where /healthz and /metrics are
+    served, from the "http_listening" line until the pipeline is closed. Call it from the main
+    thread: it installs the signal handlers.
 
     Raises:
         StoreError: the store or its outbox cannot be opened.
+        OSError: the ``http`` address cannot be bound.
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -149,7 +190,7 @@ async def run(
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        await _serve(settings, stop, demo=demo, ready=ready, out=out or sys.stdout)
+        await _serve(settings, stop, demo=demo, ready=ready, out=out or sys.stdout, http=http)
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
@@ -179,15 +220,23 @@ def _signal_handler(stop: asyncio.Event) -> Callable[[int], None]:
 
 async def _serve(
     settings: Settings, stop: asyncio.Event, *, demo: bool, ready: ReadyHook | None,
-    out: TextIO,
+    out: TextIO, http: HttpAddress | None = None,
 ) -> None:
-    mem = MemoryPipeline(settings)
+    observer = PrometheusObserver() if http is not None else None
+    mem = MemoryPipeline(settings, observer=observer)
     await mem.start()
     # A long-lived process: keep the start-up heap out of every later full collection, which
     # would otherwise stall the event loop ~0.4 ms per thousand objects it scans.
     gc.collect()
     gc.freeze()
+    server: HttpServer | None = None
     try:
+        if http is not None:
+            # Off the loop: resolving and binding the address may wait on a name lookup.
+            server = await anyio.to_thread.run_sync(
+                functools.partial(start_http_server, mem, asyncio.get_running_loop(), *http,
+                                  observer=observer))
+            log.info("http_listening", host=server.host, port=server.port, url=server.url)
         log.info("worker_ready", db=str(settings.db_path), pid=os.getpid(),
                  deadline_s=settings.shutdown_deadline_s, demo=demo)
         if ready is not None:
@@ -197,7 +246,12 @@ async def _serve(
         else:
             await stop.wait()
     finally:
-        closed = await _drain(mem, settings.shutdown_deadline_s)
+        try:
+            closed = await _drain(mem, settings.shutdown_deadline_s)
+        finally:
+            if server is not None:
+                # Closed after the drain, so /healthz answers 503 "pipeline closing" meanwhile.
+                await server.aclose()
     if demo:
         print_closed(closed, out)
 

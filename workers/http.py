@@ -1,0 +1,376 @@
+"""The worker's HTTP endpoints: ``GET /healthz`` and ``GET /metrics`` (Prometheus text).
+
+    HTTP thread (wsgiref, one thread per request)
+      /healthz ─┐
+      /metrics ─┴─► snapshot: call_soon_threadsafe onto the pipeline's loop ──► stats()
+                    (no answer within stats_timeout_s: "event loop unresponsive")
+    pipeline's loop ──► PrometheusObserver (histograms: batch size, commit and recall time)
+
+``stats()`` is read on the loop's thread because the loop mutates the deques it reads. The
+metrics live in a private ``CollectorRegistry``, never the process-global one, so two servers
+(or a test and a server) never share a series.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING, Any, Final
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import anyio.to_thread
+import structlog
+from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from hermes_async_memory import MemoryPipeline, PipelineStats
+from hermes_async_memory.metrics import PipelineObserver
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+# How long a request waits for the pipeline's loop to read stats(). A healthy loop answers in
+# microseconds; one that stays silent this long is stalled, and /healthz says so.
+STATS_TIMEOUT_S = 1.0
+# serve_forever() notices a shutdown request once per poll: this bounds close().
+_POLL_INTERVAL_S = 0.1
+PREFIX: Final = "hermes_memory_"
+# Turns per batch: up to the default max_batch (2000).
+BATCH_TURNS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+COMMIT_SECONDS_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+# A recall answers in about a millisecond; a slow one waits out its write barrier (1 s).
+RECALL_SECONDS_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+)
+_JSON = [("Content-Type", "application/json"), ("Cache-Control", "no-store")]
+
+_Field = Callable[[PipelineStats], float]
+# (name without prefix, help, value): queue depths and other values that go up and down.
+_GAUGES: tuple[tuple[str, str, _Field], ...] = (
+    ("queued_turns", "Turns in the in-memory queue, waiting for the writer.",
+     lambda s: s.queued_turns),
+    ("queued_bytes", "Bytes of the turns in the in-memory queue.", lambda s: s.queued_bytes),
+    ("deferred_turns", "Turns past the queue's bounds, kept only in the outbox on disk.",
+     lambda s: s.deferred_turns),
+    ("oldest_pending_age_seconds", "Age of the oldest accepted turn not yet settled.",
+     lambda s: s.oldest_pending_age_s),
+    ("outbox_segments", "Outbox segment files on disk.", lambda s: s.outbox_segments),
+    ("inbox_turns", "Turns producers handed to the shared inbox, not yet committed (worker).",
+     lambda s: s.inbox_turns),
+    ("inbox_oldest_age_seconds", "Age of the oldest turn waiting in the shared inbox (worker).",
+     lambda s: s.inbox_oldest_age_s),
+)
+# (name without prefix and "_total", help, value): counts since the pipeline started.
+_COUNTERS: tuple[tuple[str, str, _Field], ...] = (
+    ("accepted_turns", "Turns accepted, including those an earlier run left in the outbox.",
+     lambda s: s.accepted_turns),
+    ("committed_turns", "Turns committed to the store.", lambda s: s.committed_turns),
+    ("batches_committed", "Batches committed, one transaction each.",
+     lambda s: s.batches_committed),
+    ("rows_committed", "Messages committed.", lambda s: s.rows_committed),
+    ("commit_retries", "Writes retried because the store was busy, locked or failing.",
+     lambda s: s.commit_retries),
+    ("dead_letters", "Turns the store rejected, moved to the dead letters.",
+     lambda s: s.dead_letters),
+    ("sanitized_turns", "Turns whose lone surrogates were stored as U+FFFD.",
+     lambda s: s.sanitized_turns),
+    ("recall_hits", "prefetch() calls answered from the cache.", lambda s: s.recall_hits),
+    ("recall_misses", "prefetch() calls with nothing cached.", lambda s: s.recall_misses),
+    ("recalls_run", "Recalls run against the store.", lambda s: s.recalls_run),
+    ("recalls_shared", "Recalls answered by an identical one already running.",
+     lambda s: s.recalls_shared),
+    ("recall_errors", "Recalls that failed.", lambda s: s.recall_errors),
+    ("recalls_shed", "Queued recalls dropped past max_pending_recalls.",
+     lambda s: s.recalls_shed),
+    ("inbox_committed_turns", "Turns from the shared inbox committed by this worker.",
+     lambda s: s.inbox_committed_turns),
+)
+_UP_HELP = "1 while the pipeline is open, its workers are healthy and its loop answers; else 0."
+_LATENCY_HELP = "Write-to-recallable latency of recent turns (accept to commit), by quantile."
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    state: str
+    worker_error: BaseException | None
+    stats: PipelineStats
+
+    def problem(self) -> str | None:
+        """Why the pipeline is unhealthy, or None."""
+        if self.worker_error is not None:
+            return f"pipeline workers failed: {self.worker_error!r}"
+        if self.state != "open":
+            return f"pipeline {self.state}"
+        return None
+
+
+class _LoopUnavailableError(Exception):
+    """The pipeline's event loop did not answer (stalled, or closed)."""
+
+
+class _Probe:
+    """Reads a pipeline's state on its own event loop, from another thread."""
+
+    def __init__(self, pipeline: MemoryPipeline, loop: asyncio.AbstractEventLoop,
+                 timeout_s: float) -> None:
+        self._pipeline = pipeline
+        self._loop = loop
+        self._timeout_s = timeout_s
+
+    def snapshot(self) -> _Snapshot:
+        """Raises: _LoopUnavailableError: the loop is closed or did not answer in time."""
+        fut: concurrent.futures.Future[_Snapshot] = concurrent.futures.Future()
+
+        def read() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # the request gave up waiting
+            try:
+                fut.set_result(self._read())
+            except Exception as exc:  # handed to the waiting request thread
+                fut.set_exception(exc)
+
+        try:
+            self._loop.call_soon_threadsafe(read)
+        except RuntimeError:  # the loop is closed: the worker is exiting
+            raise _LoopUnavailableError("event loop closed") from None
+        try:
+            return fut.result(self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise _LoopUnavailableError("event loop unresponsive") from None
+
+    def _read(self) -> _Snapshot:
+        p = self._pipeline
+        return _Snapshot(state=p.state, worker_error=p.worker_error, stats=p.stats())
+
+
+class PrometheusObserver(PipelineObserver):
+    """Records the pipeline's batches and recalls into Prometheus histograms.
+
+    Commit retries are not counted here: ``stats().commit_retries`` is already exported as
+    ``hermes_memory_commit_retries_total``, and one series must not be exported twice.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
+        self._batch_turns = Histogram(
+            PREFIX + "batch_turns", "Turns per committed batch.",
+            buckets=BATCH_TURNS_BUCKETS, registry=self.registry,
+        )
+        self._commit_seconds = Histogram(
+            PREFIX + "commit_seconds", "Time to commit one batch, retries included.",
+            buckets=COMMIT_SECONDS_BUCKETS, registry=self.registry,
+        )
+        recall = Histogram(
+            PREFIX + "recall_seconds", "Time of one recall against the store, by outcome.",
+            labelnames=("outcome",), buckets=RECALL_SECONDS_BUCKETS, registry=self.registry,
+        )
+        # Both series exist from the start, so a dashboard's rate() has a zero to start from.
+        self._recall_ok = recall.labels(outcome="ok")
+        self._recall_error = recall.labels(outcome="error")
+
+    def batch_committed(self, turns: int, rows: int, seconds: float) -> None:
+        self._batch_turns.observe(turns)
+        self._commit_seconds.observe(seconds)
+
+    def recall_done(self, seconds: float, ok: bool) -> None:
+        (self._recall_ok if ok else self._recall_error).observe(seconds)
+
+
+class _PipelineCollector:
+    """A Prometheus collector over one ``stats()`` snapshot per scrape."""
+
+    def __init__(self, probe: _Probe) -> None:
+        self._probe = probe
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            snap = self._probe.snapshot()
+        except _LoopUnavailableError as exc:
+            log.warning("metrics_unavailable", reason=str(exc))
+            up = GaugeMetricFamily(PREFIX + "up", _UP_HELP)
+            up.add_metric([], 0)
+            return [up]
+        return list(self._families(snap))
+
+    def _families(self, snap: _Snapshot | None) -> Iterator[Metric]:
+        up = GaugeMetricFamily(PREFIX + "up", _UP_HELP)
+        latency = GaugeMetricFamily(PREFIX + "write_to_recallable_seconds", _LATENCY_HELP,
+                                    labels=["quantile"])
+        stats = None if snap is None else snap.stats
+        if snap is not None:
+            up.add_metric([], 0 if snap.problem() else 1)
+            latency.add_metric(["0.5"], snap.stats.write_to_recallable_p50_ms / 1000)
+            latency.add_metric(["0.99"], snap.stats.write_to_recallable_p99_ms / 1000)
+        yield up
+        yield latency
+        for name, help_, field in _GAUGES:
+            gauge = GaugeMetricFamily(PREFIX + name, help_)
+            if stats is not None:
+                gauge.add_metric([], field(stats))
+            yield gauge
+        for name, help_, field in _COUNTERS:
+            counter = CounterMetricFamily(PREFIX + name, help_)
+            if stats is not None:
+                counter.add_metric([], field(stats))
+            yield counter
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    """One daemon thread per request: a stuck client never holds up shutdown."""
+
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # The default prints a traceback to stderr, which would break the JSON log stream.
+        log.debug("http_connection_error", client=str(client_address), exc_info=True)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Request lines go to structlog at debug, not to stderr."""
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        log.debug("http_request", method=self.command, path=self.path, status=str(code),
+                  bytes=str(size))
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("http_message", client=self.client_address[0], message=format % args)
+
+
+class _App:
+    """Routes /healthz and /metrics; anything else is a 404."""
+
+    def __init__(self, probe: _Probe, registry: CollectorRegistry) -> None:
+        self._probe = probe
+        self._metrics: WSGIApplication = make_wsgi_app(registry)
+        self._started = time.monotonic()
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
+        path = environ.get("PATH_INFO", "")
+        try:
+            if path == "/metrics":
+                return list(self._metrics(environ, start_response))
+            if path == "/healthz":
+                if environ.get("REQUEST_METHOD") != "GET":
+                    return _json(start_response, "405 Method Not Allowed",
+                                 {"error": "use GET"}, [("Allow", "GET")])
+                return self._health(start_response)
+            return _json(start_response, "404 Not Found", {"error": f"no such path: {path}"})
+        except Exception:  # the per-request boundary: log it, answer 500, keep serving
+            log.exception("http_request_failed", path=path)
+            return _json(start_response, "500 Internal Server Error", {"error": "internal"})
+
+    def _health(self, start_response: StartResponse) -> list[bytes]:
+        uptime_s = round(time.monotonic() - self._started, 3)
+        try:
+            snap = self._probe.snapshot()
+        except _LoopUnavailableError as exc:
+            return _json(start_response, "503 Service Unavailable",
+                         {"status": "unavailable", "reason": str(exc), "uptime_s": uptime_s})
+        s = snap.stats
+        body: dict[str, object] = {
+            "status": "ok",
+            "uptime_s": uptime_s,
+            "queued_turns": s.queued_turns,
+            "deferred_turns": s.deferred_turns,
+            "oldest_pending_age_s": round(s.oldest_pending_age_s, 6),
+            "dead_letters": s.dead_letters,
+        }
+        problem = snap.problem()
+        if problem is None:
+            return _json(start_response, "200 OK", body)
+        body.update(status="unavailable", reason=problem)
+        return _json(start_response, "503 Service Unavailable", body)
+
+
+def _json(start_response: StartResponse, status: str, body: dict[str, object],
+          headers: list[tuple[str, str]] | None = None) -> list[bytes]:
+    data = json.dumps(body).encode()
+    start_response(status, [*_JSON, ("Content-Length", str(len(data))), *(headers or [])])
+    return [data]
+
+
+class HttpServer:
+    """A running server; ``close()`` (or ``await aclose()``) stops it. Both are idempotent."""
+
+    def __init__(self, server: _Server, thread: threading.Thread,
+                 observer: PrometheusObserver) -> None:
+        self._server = server
+        self._thread = thread
+        self._lock = threading.Lock()
+        self._closed = False
+        self.observer = observer
+        self.host = str(server.server_address[0])
+        self.port = int(server.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop serving and release the port. Blocks up to ~0.1 s: not on the event loop."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+        log.info("http_closed", host=self.host, port=self.port)
+
+    async def aclose(self) -> None:
+        """``close()`` in a worker thread, so the event loop keeps running."""
+        await anyio.to_thread.run_sync(self.close)
+
+
+def start_http_server(
+    pipeline: MemoryPipeline,
+    loop: asyncio.AbstractEventLoop,
+    host: str = DEFAULT_HOST,
+    port: int = 0,
+    *,
+    observer: PrometheusObserver | None = None,
+    stats_timeout_s: float = STATS_TIMEOUT_S,
+) -> HttpServer:
+    """Serve /healthz and /metrics for ``pipeline`` (running on ``loop``) from a daemon thread.
+
+    ``port=0`` picks a free port; read it from ``HttpServer.port``. Pass the ``observer`` the
+    pipeline was built with, so /metrics has its histograms; without one they stay empty.
+
+    Raises:
+        OSError: the address cannot be bound (in use, not local, unknown host).
+    """
+    observer = PrometheusObserver() if observer is None else observer
+    probe = _Probe(pipeline, loop, stats_timeout_s)
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    server_class = _Server6 if family[0][0] == socket.AF_INET6 else _Server
+    server = make_server(host, port, _App(probe, observer.registry), server_class=server_class,
+                         handler_class=_QuietHandler)
+    observer.registry.register(_PipelineCollector(probe))
+    thread = threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": _POLL_INTERVAL_S},
+        name="hermes-memory-http", daemon=True,
+    )
+    thread.start()
+    return HttpServer(server, thread, observer)
