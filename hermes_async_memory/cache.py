@@ -115,13 +115,22 @@ class RecallCache:
         entry.version += 1
 
     def set_recall(self, session_id: str, user_id: str | None, query: str, block: str,
-                   *, source: str = "local", stale: bool = False) -> None:
+                   *, source: str = "local", fallback: bool = False) -> None:
+        """A recall's block for the session's next prefetch.
+
+        ``fallback``: the backend failed and ``block`` is the local store's. If the session
+        holds a good block from the backend, that block stays, marked stale (its age keeps
+        growing); otherwise the local block is served.
+        """
         entry = self._touch(session_id, user_id)
+        if fallback and entry.recall_block and entry.recall_source != "local":
+            entry.recall_stale = True
+            return
         entry.recall_block = block
         entry.recall_query = query
         entry.recall_mono = self._now()
         entry.recall_source = source
-        entry.recall_stale = stale
+        entry.recall_stale = False
         entry.version += 1
 
     def _touch(self, session_id: str, user_id: str | None) -> _Entry:

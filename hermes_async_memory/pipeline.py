@@ -29,10 +29,9 @@ import socket
 import sqlite3
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 import anyio.lowlevel
@@ -40,6 +39,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from .backends import Backend, NullBackend, RecallRequest
+from .backends.base import BackendUnavailableError, BackendWriteError
 from .cache import PrefetchStatus, RecallCache
 from .errors import (
     FlushTimeoutError,
@@ -52,7 +52,7 @@ from .outbox import Outbox
 from .recall import match_expression, query_terms, render_hits
 from .settings import Settings
 from .stats import Meter, PipelineStats, percentile
-from .store import Batch, SqliteStore
+from .store import Batch, ReplicaRow, SqliteStore
 from .turns import (
     Receipt,
     Turn,
@@ -80,6 +80,12 @@ class _Slice:
             self._until = time.perf_counter() + _SLICE_S
 
 
+class _Recalled(NamedTuple):
+    block: str
+    source: str  # "local", or the backend's name
+    fallback: bool  # the backend was asked and failed; the local store answered
+
+
 class _Stopping(BaseException):
     """Shutdown reached a writer that is retrying a failing store: leave the batch durable
     in the outbox, unsettled, so nothing after it is committed out of order."""
@@ -94,7 +100,8 @@ _SLICE_S = 0.0005
 # A recall waits at most this long for the turns accepted before it was queued.
 _RECALL_BARRIER_S = 1.0
 _RETRY_CAP_S = 5.0
-_REPLICA_QUEUE = 10_000
+_REPLICA_CHUNK = 500  # turns per backend write, read from the replica outbox
+_REPLICA_POLL_S = 1.0
 _MAINTAIN_EVERY_S = 1.0
 _PRODUCER_SLOTS = 64
 _LEASE_SWEEP_S = 1.0  # how often a worker looks for claims of workers that are gone
@@ -123,6 +130,9 @@ class MemoryPipeline:
             s.db_path, readers=s.recall_workers, busy_timeout_ms=s.busy_timeout_ms,
             source=s.source,
         )
+        if not isinstance(self.backend, NullBackend) and s.role != "producer":
+            # Every commit also queues its turns in this backend's own outbox table.
+            self.store.replica = self.backend.name
         self._clock = clock
         self._outbox = Outbox(
             s.outbox_dir,
@@ -145,6 +155,7 @@ class MemoryPipeline:
         self._next_sweep = 0.0
         self._recall_version = 0
         self._inbox_counts: tuple[int, float | None] = (0, None)
+        self._replica_counts = (0, 0)  # (pending, dead), refreshed by the maintainer
         self._key_counter = itertools.count(1)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
@@ -165,8 +176,7 @@ class MemoryPipeline:
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._waiter_ids = itertools.count()
         self._pending_recalls: dict[str, tuple[str, str | None, int]] = {}
-        self._inflight: dict[tuple[str, tuple[str, ...]], asyncio.Future[str]] = {}
-        self._replica: deque[list[Turn]] = deque()
+        self._inflight: dict[tuple[str, tuple[str, ...]], asyncio.Future[_Recalled]] = {}
         self._replica_work: asyncio.Event | None = None
         self._meter = Meter()
         self._rows_since_vocab = 0
@@ -174,7 +184,8 @@ class MemoryPipeline:
         self._counts = {
             "recalls_run": 0, "recalls_shared": 0, "recalls_shed": 0, "recall_errors": 0,
             "commit_retries": 0, "dead_letters": 0, "sanitized": 0, "replica_errors": 0,
-            "replica_shed": 0, "inbox_committed": 0, "leases_lost": 0, "leases_reclaimed": 0,
+            "replicated": 0, "replica_dead": 0, "replica_unavailable": 0, "inbox_committed": 0,
+            "leases_lost": 0, "leases_reclaimed": 0,
             "recalls_served": 0,
         }
 
@@ -558,6 +569,10 @@ class MemoryPipeline:
             inbox_oldest_age_s=(0.0 if self._inbox_counts[1] is None
                                 else max(0.0, time.time() - self._inbox_counts[1])),
             inbox_committed_turns=c["inbox_committed"],
+            replicated_turns=c["replicated"],
+            replica_pending=self._replica_counts[0],
+            replica_errors=c["replica_errors"],
+            replica_dead=self._replica_counts[1],
         )
 
     # -- the writer --------------------------------------------------------------------
@@ -847,31 +862,78 @@ class MemoryPipeline:
     # -- replication -------------------------------------------------------------------
 
     def _hand_to_replica(self, turns: list[Turn]) -> None:
-        if isinstance(self.backend, NullBackend):
-            return
-        if sum(len(b) for b in self._replica) >= _REPLICA_QUEUE:
-            self._counts["replica_shed"] += len(turns)
-            log.warning("replica_behind", shed_turns=len(turns), backend=self.backend.name)
-            return
-        self._replica.append(turns)
-        self._notify(self._replica_work)
+        if self.store.replica is not None:
+            self._notify(self._replica_work)  # their rows are in the replica outbox
 
     async def _replicator(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
                           ) -> None:
+        """Send committed turns to the backend from its outbox table, oldest first.
+
+        A turn leaves the table once the backend has it. One the backend refuses, or that
+        fails ``replica_max_attempts`` times, stays there as the backend's dead letter; the
+        session's later turns go on. While the backend is unavailable nothing counts.
+        """
         assert self._replica_work is not None
         task_status.started()
+        name = self.store.replica
+        if name is None:
+            return
+        # Rows an earlier run left may have reached the backend before it stopped.
+        unsure_upto = await self.store.replica_last_id(name)
+        failures_in_row = 0
         while True:
-            if not self._replica:
+            rows = await self.store.replica_pending(name, _REPLICA_CHUNK)
+            if not rows:
                 self._replica_work.clear()
-                await self._replica_work.wait()
+                with anyio.move_on_after(_REPLICA_POLL_S):  # a replayed dead letter: no event
+                    await self._replica_work.wait()
                 continue
-            batch = self._replica.popleft()
+            turns = await self.store.replica_turns(rows)
+            maybe_sent = any(r.attempts or r.id <= unsure_upto for r in rows)
+            wait = 0.0
             try:
-                await self.backend.write(batch)
-            except Exception as exc:  # the per-job boundary
-                self._counts["replica_errors"] += 1
-                log.warning("replica_write_failed", backend=self.backend.name,
-                            turns=len(batch), error=str(exc))
+                await self.backend.write(turns, maybe_sent=maybe_sent)
+            except BackendUnavailableError as exc:
+                failures_in_row += 1
+                self._counts["replica_unavailable"] += 1
+                wait = exc.retry_after_s or self._backoff(failures_in_row)
+                log.warning("replica_unavailable", backend=name, turns=len(rows),
+                            retry_in_s=round(wait, 3), error=str(exc))
+            except Exception as exc:  # the per-job boundary: every failure is kept
+                failures_in_row += 1
+                wait = await self._replica_failed(name, rows, exc)
+            else:
+                failures_in_row = 0
+                ids = [r.id for r in rows]
+                await self._retry(lambda: self.store.replica_done(ids))  # noqa: B023
+                self._counts["replicated"] += len(rows)
+            if wait:
+                await anyio.sleep(wait)
+
+    async def _replica_failed(self, name: str, rows: Sequence[ReplicaRow],
+                              exc: Exception) -> float:
+        """Keep what a failed write says; returns how long to wait before the next."""
+        limit = self.settings.replica_max_attempts
+        named = {f.key: f for f in exc.failures} if isinstance(exc, BackendWriteError) else None
+        written, failed = [], []
+        for r in rows:
+            f = named.get(r.turn_key) if named is not None else None
+            if named is not None and f is None:
+                written.append(r.id)
+                continue
+            reason = f.reason if f is not None else f"{type(exc).__name__}: {exc}"
+            permanent = f.permanent if f is not None else False
+            failed.append((r.id, reason, permanent or r.attempts + 1 >= limit))
+        await self._retry(lambda: self.store.replica_done(written))
+        await self._retry(lambda: self.store.replica_failed(failed))
+        dead = sum(1 for _, _, d in failed if d)
+        self._counts["replicated"] += len(written)
+        self._counts["replica_errors"] += len(failed) - dead
+        self._counts["replica_dead"] += dead
+        log.warning("replica_write_failed", backend=name, turns=len(rows), written=len(written),
+                    failed=len(failed), dead=dead, error=str(exc))
+        retry = [r for r in failed if not r[2]]
+        return self._backoff(max((r.attempts for r in rows), default=0) + 1) if retry else 0.0
 
     # -- recall ------------------------------------------------------------------------
 
@@ -899,14 +961,16 @@ class MemoryPipeline:
                     log.warning("recall_request_failed", session_id=session_id, error=str(exc))
                 continue
             try:
-                block = await self._recall_shared(query, user_id, session_id)
+                recalled = await self._recall_shared(query, user_id, session_id)
             except Exception as exc:  # the per-job boundary
                 self._counts["recall_errors"] += 1
                 log.warning("recall_failed", session_id=session_id, error=str(exc))
                 continue
-            self._cache.set_recall(session_id, user_id, query, block)
+            self._cache.set_recall(session_id, user_id, query, recalled.block,
+                                   source=recalled.source, fallback=recalled.fallback)
 
-    async def _recall_shared(self, query: str, user_id: str | None, session_id: str) -> str:
+    async def _recall_shared(self, query: str, user_id: str | None, session_id: str
+                             ) -> _Recalled:
         scope = scope_token_for(user_id, session_id)
         terms = tuple(query_terms(query, self.store.frequent_terms, self.settings.recall_max_terms))
         key = (scope, terms)
@@ -915,7 +979,7 @@ class MemoryPipeline:
             self._counts["recalls_shared"] += 1
             return await asyncio.shield(running)
         assert self._loop is not None
-        fut: asyncio.Future[str] = self._loop.create_future()
+        fut: asyncio.Future[_Recalled] = self._loop.create_future()
         self._inflight[key] = fut
         try:
             block = await self._recall_block(query, user_id, session_id, terms, scope)
@@ -930,7 +994,7 @@ class MemoryPipeline:
             del self._inflight[key]
 
     async def _recall_block(self, query: str, user_id: str | None, session_id: str,
-                            terms: tuple[str, ...], scope: str) -> str:
+                            terms: tuple[str, ...], scope: str) -> _Recalled:
         self._counts["recalls_run"] += 1
         started = time.perf_counter()
         try:
@@ -942,13 +1006,22 @@ class MemoryPipeline:
         return block
 
     async def _recall_block_from(self, query: str, user_id: str | None, session_id: str,
-                                 terms: tuple[str, ...], scope: str) -> str:
+                                 terms: tuple[str, ...], scope: str) -> _Recalled:
+        """The backend's block when it answers; else the local store's, marked as a
+        fallback when the backend was asked and failed (an error, or its deadline)."""
+        fallback = False
         if not isinstance(self.backend, NullBackend):
             request = RecallRequest(query, session_id, user_id, self.settings.recall_limit)
-            remote = await self.backend.recall(request)
+            try:
+                remote = await self.backend.recall(request)
+            except Exception as exc:  # the backend's trouble: the local store answers
+                log.warning("backend_recall_failed", backend=self.backend.name, error=str(exc))
+                remote = None
             if remote is not None:
-                return remote
-        return await self._search_terms(terms, scope, self.settings.recall_limit)
+                return _Recalled(remote, self.backend.name, False)
+            fallback = self.backend.recalls
+        local = await self._search_terms(terms, scope, self.settings.recall_limit)
+        return _Recalled(local, "local", fallback)
 
     async def _recall_local(self, query: str, user_id: str | None, session_id: str | None,
                             limit: int | None) -> str:
@@ -984,8 +1057,9 @@ class MemoryPipeline:
                         # Another process's progress: there is no event to wait on.
                         while await self.store.inbox_holds(after_id):  # noqa: ASYNC110
                             await anyio.sleep(poll)
-                    block = await self._recall_shared(query, user_id, session_id)
-                    await self.store.put_recall_result(session_id, user_id, query, block)
+                    recalled = await self._recall_shared(query, user_id, session_id)
+                    await self.store.put_recall_result(session_id, user_id, query,
+                                                       recalled.block)
                     self._counts["recalls_served"] += 1
                 except Exception as exc:  # the per-job boundary
                     self._counts["recall_errors"] += 1
@@ -1025,6 +1099,8 @@ class MemoryPipeline:
                     await self._refresh_vocab()
                 if self._role == "worker":
                     self._inbox_counts = await self.store.inbox_counts()
+                if self.store.replica is not None:
+                    self._replica_counts = await self.store.replica_counts(self.store.replica)
             except Exception as exc:  # the per-job boundary
                 log.warning("maintenance_failed", error=str(exc))
 

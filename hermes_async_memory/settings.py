@@ -50,6 +50,9 @@ class Settings:
     # dead letters after this many attempts on its own.
     commit_max_attempts: int = 5
     commit_retry_base_s: float = 0.05
+    # A replica backend's turns: after this many failed writes a turn is a dead letter of
+    # that backend (an outage with the backend's circuit open counts no attempts).
+    replica_max_attempts: int = 8
     # Recall.
     recall_workers: int = 2
     recall_limit: int = 5
@@ -88,7 +91,8 @@ class Settings:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
         positive = (
             "max_batch", "max_queued_turns", "max_queued_bytes", "max_turn_bytes",
-            "outbox_segment_bytes", "commit_max_attempts", "recall_workers", "recall_limit",
+            "outbox_segment_bytes", "commit_max_attempts", "replica_max_attempts",
+            "recall_workers", "recall_limit",
             "recall_snippet_tokens", "recall_max_terms", "frequent_term_rows",
             "max_pending_recalls", "cache_max_sessions",
         )

@@ -40,6 +40,11 @@ class PipelineStats:
     inbox_turns: int = 0
     inbox_oldest_age_s: float = 0.0
     inbox_committed_turns: int = 0
+    # The replica backend (zero without one): turns it has, waiting, failed for now, dead.
+    replicated_turns: int = 0
+    replica_pending: int = 0
+    replica_errors: int = 0
+    replica_dead: int = 0
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiosqlite
 import structlog
@@ -117,6 +117,22 @@ CREATE TABLE IF NOT EXISTS recall_results (
     updated_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS idx_recall_results_version ON recall_results(version);
+-- Each replica backend's own outbox: a row per committed turn, written in the turn's commit
+-- transaction, removed once the backend has the turn; 'dead' with the reason when it cannot.
+CREATE TABLE IF NOT EXISTS replica_outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    backend TEXT NOT NULL,
+    turn_key TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    first_id INTEGER NOT NULL,
+    n_messages INTEGER NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'dead')),
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    updated_at REAL,
+    UNIQUE (backend, turn_key)
+);
+CREATE INDEX IF NOT EXISTS idx_replica_outbox_open ON replica_outbox(backend, status, id);
 """
 # Set on the writer connection: a batch of inbox turns commits only while its lease holds.
 _LEASE_GUARD = """
@@ -202,6 +218,13 @@ _INDEX_BATCH = """
 INSERT INTO messages_fts (rowid, content, scope)
 SELECT id, content, scope FROM messages WHERE id > {start};
 """
+# The batch's turns wait for the replica backend: one row per turn, with its message rows.
+_INSERT_REPLICA = """
+INSERT INTO replica_outbox (backend, turn_key, session_id, first_id, n_messages)
+SELECT {backend}, turn_key, session_id, min(id), count(*) FROM messages WHERE id > {start}
+GROUP BY turn_key ORDER BY min(id)
+ON CONFLICT (backend, turn_key) DO NOTHING;
+"""
 # The batch's turns are 'done': one row per turn, read back from the messages it just
 # inserted (ids are consecutive inside the transaction), for one run of outbox segment.
 _INSERT_DONE = """
@@ -232,6 +255,17 @@ def sql_literal(text: str) -> str:
     if "\x00" in text:
         raise ValueError("an SQL literal cannot hold U+0000")
     return "'" + text.replace("'", "''") + "'"
+
+
+class ReplicaRow(NamedTuple):
+    """A committed turn waiting for a replica backend."""
+
+    id: int
+    turn_key: str
+    session_id: str
+    first_id: int
+    n_messages: int
+    attempts: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,6 +392,8 @@ class SqliteStore:
         self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
         self._all_readers: list[aiosqlite.Connection] = []
         self.frequent_terms: frozenset[str] = frozenset()
+        # The replica backend whose outbox each commit fills (None: no backend).
+        self.replica: str | None = None
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -459,6 +495,23 @@ class SqliteStore:
         """Store ``turns`` in one transaction (see ``commit_batch``)."""
         await self.commit_batch(Batch.of(turns, self.source))
 
+    def _batch_statements(self, batch: Batch) -> list[str]:
+        """What a batch's transaction runs after inserting its messages: the replica
+        outbox rows, the FTS index, the sessions, and the outbox keys marked 'done'."""
+        # The batch's messages are the last n_messages rows once inserted: ids are
+        # consecutive inside the transaction.
+        start = f"((SELECT max(id) FROM messages) - {int(batch.n_messages)})"
+        now = repr(time.time())
+        script = [_INSERT_REPLICA.format(backend=sql_literal(self.replica), start=start)
+                  ] if self.replica else []
+        script += [_INDEX_BATCH.format(start=start),
+                   _UPSERT_SESSIONS.format(start=start, now=now, source=sql_literal(batch.source))]
+        script += [
+            _INSERT_DONE.format(segment=int(segment), now=now, start=start, after=after, upto=upto)
+            for segment, after, upto in batch.segment_runs(0)
+        ]
+        return script
+
     async def commit_batch(self, batch: Batch) -> None:
         """Store a batch in one transaction: messages, their index, and outbox rows 'done'.
 
@@ -472,16 +525,7 @@ class SqliteStore:
             sqlite3.Error: the transaction failed and was rolled back; nothing was stored.
         """
         db = self.writer
-        # The batch's messages are the last n_messages rows once inserted: ids are
-        # consecutive inside the transaction.
-        start = f"((SELECT max(id) FROM messages) - {int(batch.n_messages)})"
-        now = repr(time.time())
-        script = [_INDEX_BATCH.format(start=start),
-                  _UPSERT_SESSIONS.format(start=start, now=now, source=sql_literal(batch.source))]
-        script += [
-            _INSERT_DONE.format(segment=int(segment), now=now, start=start, after=after, upto=upto)
-            for segment, after, upto in batch.segment_runs(0)
-        ]
+        script = self._batch_statements(batch)
         if batch.inbox_ids:
             # Inbox turns leave the inbox in the same transaction, and only while this
             # worker's lease on every one of them holds (else: IntegrityError, rolled back).
@@ -665,6 +709,82 @@ class SqliteStore:
             rows = await cur.fetchall()
         return [(r[0], r[1], r[2], r[3], int(r[4])) for r in rows]
 
+    # -- the replica backend's outbox ---------------------------------------------------
+
+    async def replica_pending(self, backend: str, limit: int) -> list[ReplicaRow]:
+        """The oldest turns waiting for ``backend``, in commit order."""
+        async with self.reader() as db, db.execute(
+            "SELECT id, turn_key, session_id, first_id, n_messages, attempts FROM replica_outbox "
+            "WHERE backend = ? AND status = 'pending' ORDER BY id LIMIT ?", (backend, limit),
+        ) as cur:
+            return [ReplicaRow(*r) for r in await cur.fetchall()]
+
+    async def replica_turns(self, rows: Sequence[ReplicaRow]) -> list[Turn]:
+        """The committed turns behind replica rows, rebuilt from their messages, in order;
+        each turn's ``seq`` is its replica row."""
+        if not rows:
+            return []
+        lo = min(r.first_id for r in rows)
+        hi = max(r.first_id + r.n_messages for r in rows)
+        wanted = {r.turn_key for r in rows}
+        by_key: dict[str, list[Any]] = {}
+        async with self.reader() as db, db.execute(
+            "SELECT turn_key, session_id, user_id, timestamp, role, content, tool_calls, "
+            "tool_call_id, tool_name, metadata FROM messages WHERE id >= ? AND id < ? "
+            "ORDER BY id", (lo, hi),
+        ) as cur:
+            async for m in cur:
+                if m[0] in wanted:
+                    by_key.setdefault(m[0], []).append(m)
+        turns = []
+        for r in rows:
+            msgs = by_key.get(r.turn_key)
+            if not msgs:
+                continue
+            first = msgs[0]
+            metadata = json.loads(first[9]) if first[9] else None
+            turns.append(Turn.build(
+                key=r.turn_key, session_id=first[1], user_id=first[2], accepted_at=first[3],
+                messages=[(m[4], m[5] or "", m[6], m[7], m[8]) for m in msgs],
+                metadata=metadata,
+            )._replace(seq=r.id))
+        return turns
+
+    async def replica_done(self, ids: Sequence[int]) -> None:
+        """The backend has these turns: their rows go (outside the writer's batches, which
+        could roll the delete back and send a turn twice)."""
+        db = await self.aux()
+        for i in range(0, len(ids), _KEY_CHUNK):
+            chunk = [int(x) for x in ids[i : i + _KEY_CHUNK]]
+            await db.execute(
+                f"DELETE FROM replica_outbox WHERE id IN ({','.join('?' * len(chunk))})", chunk
+            )
+
+    async def replica_failed(self, failures: Sequence[tuple[int, str, bool]]) -> None:
+        """(row id, reason, dead): a dead row stops; the others count one more attempt."""
+        now = time.time()
+        await (await self.aux()).executemany(
+            "UPDATE replica_outbox SET attempts = attempts + 1, last_error = ?, updated_at = ?, "
+            "status = CASE WHEN ? THEN 'dead' ELSE status END WHERE id = ?",
+            [(reason[:2000], now, int(dead), int(row)) for row, reason, dead in failures],
+        )
+
+    async def replica_last_id(self, backend: str) -> int:
+        async with self.reader() as db, db.execute(
+            "SELECT coalesce(max(id), 0) FROM replica_outbox WHERE backend = ?", (backend,)
+        ) as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
+
+    async def replica_counts(self, backend: str) -> tuple[int, int]:
+        """(pending, dead) turns in ``backend``'s outbox."""
+        async with self.reader() as db, db.execute(
+            "SELECT coalesce(sum(status = 'pending'), 0), coalesce(sum(status = 'dead'), 0) "
+            "FROM replica_outbox WHERE backend = ?", (backend,),
+        ) as cur:
+            row = await cur.fetchone()
+        return (int(row[0]), int(row[1])) if row else (0, 0)
+
     async def recall_version(self) -> int:
         async with self.reader() as db, db.execute(
             "SELECT coalesce(max(version), 0) FROM recall_results"
@@ -795,7 +915,7 @@ class SqliteStore:
                 # Bound row by row, as commit_batch does for text with NUL: one turn, and
                 # inside a transaction executescript would first commit.
                 await db.executemany(_INSERT_MESSAGE_ROW, batch.message_rows())
-                for statement in self._replay_statements(batch):
+                for statement in self._batch_statements(batch):
                     await db.execute(statement)
             except sqlite3.OperationalError:
                 raise  # the store's trouble, not the turn's
@@ -814,18 +934,6 @@ class SqliteStore:
             with contextlib.suppress(sqlite3.Error):
                 await db.execute("ROLLBACK")
             raise
-
-    def _replay_statements(self, batch: Batch) -> list[str]:
-        """commit_batch's statements after the messages insert (index, sessions, 'done')."""
-        start = f"((SELECT max(id) FROM messages) - {int(batch.n_messages)})"
-        now = repr(time.time())
-        script = [_INDEX_BATCH.format(start=start),
-                  _UPSERT_SESSIONS.format(start=start, now=now, source=sql_literal(batch.source))]
-        script += [
-            _INSERT_DONE.format(segment=int(segment), now=now, start=start, after=after, upto=upto)
-            for segment, after, upto in batch.segment_runs(0)
-        ]
-        return script
 
 
 def _dead_turn(key: str, segment: int, payload: bytes | str | None) -> Turn:

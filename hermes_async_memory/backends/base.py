@@ -9,8 +9,39 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from ..errors import BackendError
 from ..turns import Turn
+
+
+class TurnFailure(NamedTuple):
+    """One turn a backend could not write, and why."""
+
+    key: str
+    session_id: str
+    reason: str
+    # True: the backend refused this turn; sending it again fails again (a dead letter).
+    # False: the backend was unreachable or overloaded; the turn may go through later.
+    permanent: bool
+
+
+class BackendWriteError(BackendError):
+    """Some turns of a ``write`` were not written; the others were, in order."""
+
+    def __init__(self, failures: Sequence[TurnFailure], *, written: int, message: str = ""
+                 ) -> None:
+        self.failures = tuple(failures)
+        self.failed_keys = frozenset(f.key for f in self.failures)
+        self.written = written
+        super().__init__(message or f"{len(self.failures)} turns not written, {written} written")
+
+
+class BackendUnavailableError(BackendWriteError):
+    """The backend cannot be reached for now (say, its circuit breaker is open): nothing was
+    sent. The pipeline keeps the turns and tries again later, without counting an attempt."""
+
+    retry_after_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +56,8 @@ class Backend(abc.ABC):
     """A place committed turns are replicated to, and recalls may be answered from."""
 
     name: str = "backend"
+    # Whether recall() can answer; when it can and fails, prefetch status says so.
+    recalls: bool = False
 
     async def startup(self) -> None:  # noqa: B027 - optional hook
         """Open connections; called once before any other method."""
@@ -33,10 +66,15 @@ class Backend(abc.ABC):
         """Release everything; called once, last."""
 
     @abc.abstractmethod
-    async def write(self, turns: Sequence[Turn]) -> None:
-        """Replicate committed turns, in order per session.
+    async def write(self, turns: Sequence[Turn], *, maybe_sent: bool = False) -> None:
+        """Replicate committed turns, in order per session, each exactly once.
+
+        ``maybe_sent``: some of these turns may have reached the backend before (a retry
+        whose outcome was unknown, a restart, a dead-letter replay); send only what it lacks.
 
         Raises:
+            BackendUnavailableError: nothing was sent; try again later.
+            BackendWriteError: these turns (``failures``) were not written; the rest were.
             BackendError: the batch was not (or not certainly) written.
         """
 

@@ -23,6 +23,9 @@ class InMemoryBackend(Backend):
     async def aclose(self) -> None:
         self.closed = True
 
-    async def write(self, turns: Sequence[Turn]) -> None:
+    async def write(self, turns: Sequence[Turn], *, maybe_sent: bool = False) -> None:
         for t in turns:
-            self.turns[t.session_id].append(t)
+            held = self.turns[t.session_id]
+            if maybe_sent and any(h.key == t.key for h in held):
+                continue
+            held.append(t)

@@ -11,5 +11,5 @@ from .base import Backend
 class NullBackend(Backend):
     name = "null"
 
-    async def write(self, turns: Sequence[Turn]) -> None:
+    async def write(self, turns: Sequence[Turn], *, maybe_sent: bool = False) -> None:
         return None

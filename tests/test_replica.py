@@ -1,0 +1,198 @@
+"""The replica backend's own outbox: every committed turn reaches the backend exactly once, in
+per-session order, across restarts, refusals and outages.
+
+The backend here is a real ``Backend`` that keeps turns in memory and can be told to refuse
+turns, to be unreachable, or to hold writes: faults of a remote service that a test on one
+machine cannot otherwise cause. (tests/test_honcho_backend.py runs the Honcho backend against
+an HTTP server.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import anyio
+
+from hermes_async_memory import InMemoryBackend, MemoryPipeline, Settings
+from hermes_async_memory.backends.base import (
+    BackendUnavailableError,
+    BackendWriteError,
+    RecallRequest,
+    TurnFailure,
+)
+from hermes_async_memory.turns import Turn
+
+from .helpers import count_rows
+
+WAIT_S = 30.0
+
+
+async def eventually(check: Callable[[], bool], what: str) -> None:
+    """The replicator's progress has no event a test can await: poll ``check``."""
+    with anyio.fail_after(WAIT_S):
+        while not check():  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    assert check(), what
+
+
+class ScriptedBackend(InMemoryBackend):
+    """Keeps what it is sent; refuses the turns in ``refuse``; unreachable while ``down``;
+    holds every write while ``hold`` is set; answers recalls with ``answer`` unless down."""
+
+    name = "scripted"
+    recalls = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse: set[str] = set()
+        self.down = False
+        self.hold: anyio.Event | None = None
+        self.calls = 0
+        self.maybe_sent_calls = 0
+        self.answer: str | None = None
+
+    async def write(self, turns: Sequence[Turn], *, maybe_sent: bool = False) -> None:
+        self.calls += 1
+        self.maybe_sent_calls += maybe_sent
+        if self.hold is not None:
+            await self.hold.wait()
+        if self.down:
+            raise BackendUnavailableError(
+                [TurnFailure(t.key, t.session_id, "down", False) for t in turns], written=0)
+        failures = [TurnFailure(t.key, t.session_id, "refused: 422 bad message", True)
+                    for t in turns if t.key in self.refuse]
+        await super().write([t for t in turns if t.key not in self.refuse],
+                            maybe_sent=maybe_sent)
+        if failures:
+            raise BackendWriteError(failures, written=len(turns) - len(failures))
+
+    async def recall(self, request: RecallRequest) -> str | None:
+        if self.down:
+            raise ConnectionError("backend down")
+        return self.answer
+
+    def keys(self, session_id: str) -> list[str]:
+        return [t.key for t in self.turns[session_id]]
+
+
+def settings(tmp_path: Path) -> Settings:
+    return Settings(db_path=tmp_path / "memory.db", commit_retry_base_s=0.001)
+
+
+async def test_every_committed_turn_reaches_the_backend_once_in_session_order(
+    tmp_path: Path,
+) -> None:
+    backend = ScriptedBackend()
+    accepted: dict[str, list[str]] = {}
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        for i in range(1200):
+            sid = f"s{i % 30}"
+            accepted.setdefault(sid, []).append(
+                mem.sync_turn(f"q{i}", f"a{i}", session_id=sid, user_id=f"u{i % 4}").key)
+        await mem.flush()
+        await eventually(lambda: mem.stats().replicated_turns == 1200, "all replicated")
+        assert mem.stats().replica_errors == 0
+    for sid, keys in accepted.items():
+        assert backend.keys(sid) == keys, f"{sid}: each turn once, in accept order"
+    sent = backend.turns["s0"][0]
+    assert sent.user_text == "q0" and sent.assistant_text == "a0" and sent.user_id == "u0"
+    assert count_rows(tmp_path / "memory.db", "SELECT count(*) FROM replica_outbox") == 0
+
+
+async def test_turns_not_yet_replicated_at_close_are_sent_by_the_next_start_once(
+    tmp_path: Path,
+) -> None:
+    backend = ScriptedBackend()
+    backend.hold = anyio.Event()  # the backend never answers during the first run
+    keys = []
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        for i in range(50):
+            keys.append(mem.sync_turn(f"q{i}", f"a{i}", session_id="s").key)
+        await mem.flush()
+        await eventually(lambda: backend.calls >= 1, "a write is in flight")
+    assert backend.keys("s") == []
+    assert count_rows(tmp_path / "memory.db", "SELECT count(*) FROM replica_outbox") == 50
+
+    again = ScriptedBackend()
+    async with MemoryPipeline(settings(tmp_path), again) as mem:
+        await eventually(lambda: mem.stats().replicated_turns == 50, "the backlog went out")
+    assert again.keys("s") == keys
+    assert again.maybe_sent_calls >= 1, "a replay says the turns may have been sent already"
+
+
+async def test_a_refused_turn_is_a_dead_letter_and_its_session_goes_on(tmp_path: Path) -> None:
+    backend = ScriptedBackend()
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        first = mem.sync_turn("fine", "ok", session_id="s").key
+        await mem.flush()
+        await eventually(lambda: mem.stats().replicated_turns == 1, "first replicated")
+        bad = mem.sync_turn("refused one", "ok", session_id="s").key
+        backend.refuse.add(bad)
+        later = [mem.sync_turn(f"later {i}", "ok", session_id="s").key for i in range(3)]
+        await mem.flush()
+        await eventually(lambda: mem.stats().replicated_turns == 4, "the later turns went out")
+        await eventually(lambda: mem.stats().replica_dead == 1, "the dead letter is counted")
+    assert backend.keys("s") == [first, *later]
+    conn_rows = count_rows(
+        tmp_path / "memory.db",
+        f"SELECT count(*) FROM replica_outbox WHERE status = 'dead' AND turn_key = '{bad}' "
+        "AND last_error LIKE '%422 bad message%'")
+    assert conn_rows == 1
+
+
+async def test_an_unreachable_backend_loses_nothing_and_counts_no_attempts(
+    tmp_path: Path,
+) -> None:
+    backend = ScriptedBackend()
+    backend.down = True
+    async with MemoryPipeline(settings(tmp_path).replace(replica_max_attempts=2), backend) as mem:
+        keys = [mem.sync_turn(f"q{i}", "a", session_id="s").key for i in range(20)]
+        await mem.flush()
+        await eventually(lambda: backend.calls >= 4, "several tries while down")
+        assert mem.stats().replica_dead == 0
+        backend.down = False
+        await eventually(lambda: mem.stats().replicated_turns == 20, "caught up")
+    assert backend.keys("s") == keys
+
+
+async def test_prefetch_keeps_the_last_good_backend_block_marked_stale_while_it_fails(
+    tmp_path: Path,
+) -> None:
+    backend = ScriptedBackend()
+    backend.answer = "From the backend: the user prefers tea."
+
+    async def recalled(mem: MemoryPipeline, query: str) -> None:
+        before = mem.stats().recalls_run
+        mem.queue_prefetch(query, session_id="s", user_id="u")
+        await eventually(lambda: mem.stats().recalls_run > before, "the recall ran")
+
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        mem.sync_turn("i like tea", "noted", session_id="s", user_id="u")
+        await mem.flush()
+        await recalled(mem, "what do I like")
+        status = mem.prefetch_status("s")
+        assert status.source == "scripted" and not status.stale
+        assert "prefers tea" in mem.prefetch("", session_id="s")
+
+        backend.down = True
+        await recalled(mem, "what do I like now")
+        status = mem.prefetch_status("s")
+        assert status.source == "scripted" and status.stale
+        assert "prefers tea" in mem.prefetch("", session_id="s")
+
+        backend.down = False
+        await recalled(mem, "and now")
+        assert not mem.prefetch_status("s").stale
+
+
+async def test_without_a_good_backend_block_the_local_store_answers(tmp_path: Path) -> None:
+    backend = ScriptedBackend()
+    backend.down = True
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        mem.sync_turn("my locker code is 4471", "noted", session_id="s", user_id="u")
+        await mem.flush()
+        mem.queue_prefetch("locker code", session_id="s2", user_id="u")
+        await eventually(lambda: mem.stats().recalls_run == 1, "the recall ran")
+        assert "4471" in mem.prefetch("", session_id="s2")
+        assert mem.prefetch_status("s2").source == "local"
