@@ -135,6 +135,12 @@ def register(commands: Any) -> None:
     )
     replay.add_argument("keys", nargs="*", metavar="KEY", help="the turn keys to replay")
     replay.add_argument("--all", action="store_true", help="replay every dead letter")
+    for sub in (dead_list, replay):
+        sub.add_argument(
+            "--backend", metavar="NAME",
+            help="a replica backend's dead letters (turns it refused or never took) instead "
+                 "of the store's; replay sends them to that backend again",
+        )
     replay.set_defaults(handler=_guarded(_dead_replay))
 
 
@@ -659,10 +665,21 @@ def _dead_list(args: argparse.Namespace) -> int:
     settings = _settings(args)
     with _read_only(settings) as conn:
         conn.execute("BEGIN")
-        total = conn.execute("SELECT count(*) FROM outbox WHERE status = 'dead'").fetchone()[0]
-        cur = conn.execute(
-            "SELECT key, session_id, attempts, last_error, accepted_at, updated_at FROM outbox "
-            "WHERE status = 'dead' ORDER BY updated_at, key LIMIT ?", (args.limit,))
+        if args.backend:
+            where = "FROM replica_outbox WHERE status = 'dead' AND backend = ?"
+            total = conn.execute(f"SELECT count(*) {where}", (args.backend,)).fetchone()[0]
+            cur = conn.execute(
+                f"SELECT turn_key AS key, session_id, attempts, last_error, updated_at {where} "
+                "ORDER BY id LIMIT ?", (args.backend, args.limit))
+            replica_dead: list[tuple[str, int]] = []
+        else:
+            total = conn.execute(
+                "SELECT count(*) FROM outbox WHERE status = 'dead'").fetchone()[0]
+            cur = conn.execute(
+                "SELECT key, session_id, attempts, last_error, accepted_at, updated_at "
+                "FROM outbox WHERE status = 'dead' ORDER BY updated_at, key LIMIT ?",
+                (args.limit,))
+            replica_dead = _replica_dead_counts(conn)
         dead = [dict(r) for r in cur]
         conn.execute("COMMIT")
     if args.json:
@@ -670,13 +687,28 @@ def _dead_list(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not dead:
         print("no dead letters")
+        for backend, n in replica_dead:
+            print(f"{n} dead letters of backend {backend!r}: "
+                  f"dead-letters list --backend {backend}")
         return EXIT_OK
     _table(["KEY", "SESSION", "ATTEMPTS", "DEAD SINCE", "LAST ERROR"],
            [[d["key"], d["session_id"], str(d["attempts"]), _when(d["updated_at"]),
              _one_line(d["last_error"], _ERROR_PREVIEW_CHARS)] for d in dead])
     if total > len(dead):
         print(f"({len(dead)} of {total} shown; --limit N for more)")
+    for backend, n in replica_dead:
+        print(f"{n} dead letters of backend {backend!r}: dead-letters list --backend {backend}")
     return EXIT_OK
+
+
+def _replica_dead_counts(conn: sqlite3.Connection) -> list[tuple[str, int]]:
+    """Dead letters per replica backend (none in a store from before replica outboxes)."""
+    try:
+        return [(str(r[0]), int(r[1])) for r in conn.execute(
+            "SELECT backend, count(*) FROM replica_outbox WHERE status = 'dead' "
+            "GROUP BY backend ORDER BY backend")]
+    except sqlite3.OperationalError:
+        return []
 
 
 def _dead_replay(args: argparse.Namespace) -> int:
@@ -686,6 +718,8 @@ def _dead_replay(args: argparse.Namespace) -> int:
     import asyncio
 
     settings = _settings(args)
+    if args.backend:
+        return _replica_replay(settings, args.backend, None if args.all else list(args.keys))
     # Checked read-only first: the store's open() would add its tables to any SQLite file.
     with _read_only(settings) as conn:
         keys = ([r[0] for r in conn.execute(
@@ -706,6 +740,35 @@ def _dead_replay(args: argparse.Namespace) -> int:
         return fail(PROG, _store_error(
             f"{len(failed)} of {len(keys)} dead letters were not replayed; a turn that "
             "failed again stays dead with the new error (dead-letters list)"), EXIT_FAILURE)
+    return EXIT_OK
+
+
+def _replica_replay(settings: Settings, backend: str, keys: list[str] | None) -> int:
+    """Hand a backend's dead letters back to its outbox; the replicator of the pipeline
+    running on this store (the worker) sends them, saying they may have been sent before."""
+    with _read_only(settings):
+        pass  # a store of ours, checked before anything writes to it
+    conn = sqlite3.connect(settings.db_path, timeout=settings.busy_timeout_ms / 1000,
+                           isolation_level=None)
+    try:
+        where = "backend = ? AND status = 'dead'"
+        params: list[object] = [backend]
+        if keys is not None:
+            where += f" AND turn_key IN ({','.join('?' * len(keys))})"
+            params += keys
+        # attempts = 1: not a first send, so the backend first checks what it already holds.
+        cur = conn.execute(
+            f"UPDATE replica_outbox SET status = 'pending', attempts = 1 WHERE {where}", params)
+        requeued = cur.rowcount
+    finally:
+        conn.close()
+    print(f"{requeued} dead letters of backend {backend!r} queued to be sent again")
+    if keys is not None and requeued < len(keys):
+        from .cli import fail
+
+        return fail(PROG, _store_error(
+            f"{len(keys) - requeued} of {len(keys)} keys are not dead letters of backend "
+            f"{backend!r}"), EXIT_FAILURE)
     return EXIT_OK
 
 

@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
+import pytest
 
-from hermes_async_memory import InMemoryBackend, MemoryPipeline, Settings
+from hermes_async_memory import InMemoryBackend, MemoryPipeline, Settings, cli
 from hermes_async_memory.backends.base import (
     BackendUnavailableError,
     BackendWriteError,
@@ -196,3 +197,31 @@ async def test_without_a_good_backend_block_the_local_store_answers(tmp_path: Pa
         await eventually(lambda: mem.stats().recalls_run == 1, "the recall ran")
         assert "4471" in mem.prefetch("", session_id="s2")
         assert mem.prefetch_status("s2").source == "local"
+
+
+async def test_a_backend_dead_letter_is_listed_and_replayed_from_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    backend = ScriptedBackend()
+    db = str(tmp_path / "memory.db")
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        bad = mem.sync_turn("refused at first", "ok", session_id="s").key
+        backend.refuse.add(bad)
+        await mem.flush()
+        await eventually(lambda: mem.stats().replica_dead == 1, "dead-lettered")
+        capsys.readouterr()
+
+        assert cli.main(["dead-letters", "list", "--db", db]) == 0
+        assert "1 dead letters of backend 'scripted'" in capsys.readouterr().out
+        assert cli.main(["dead-letters", "list", "--backend", "scripted", "--db", db]) == 0
+        listed = capsys.readouterr().out
+        assert bad in listed and "422 bad message" in listed
+
+        backend.refuse.clear()  # the backend was fixed
+        assert cli.main(["dead-letters", "replay", "--backend", "scripted", bad,
+                         "--db", db]) == 0
+        assert "1 dead letters of backend 'scripted' queued" in capsys.readouterr().out
+        await eventually(lambda: backend.keys("s") == [bad], "sent again")
+        assert backend.maybe_sent_calls >= 1, "a replay first asks what the backend holds"
+        assert cli.main(["dead-letters", "replay", "--backend", "scripted", "nope",
+                         "--db", db]) == 1
