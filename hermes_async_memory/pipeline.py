@@ -125,6 +125,10 @@ class MemoryPipeline:
     ) -> None:
         self.settings = s = settings or Settings()
         self.observer = observer or PipelineObserver()
+        if backend is None and s.backend == "honcho":
+            from .backends.honcho import HonchoBackend, HonchoConfig
+
+            backend = HonchoBackend(s.honcho or HonchoConfig.from_env())
         self.backend = backend or NullBackend()
         self.store = store or SqliteStore(
             s.db_path, readers=s.recall_workers, busy_timeout_ms=s.busy_timeout_ms,
@@ -168,6 +172,7 @@ class MemoryPipeline:
         self._writer_stop = False
         self._worker_error: BaseException | None = None
         self._hurry = False
+        self._rush: asyncio.Event | None = None  # set with _hurry: ends a group-commit window
         # Flush barrier: turns are processed strictly in accept order, so "the first N
         # accepted are done" is a count.
         self._recovered = 0
@@ -213,6 +218,7 @@ class MemoryPipeline:
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._work = asyncio.Event()
+        self._rush = asyncio.Event()
         self._recall_work = asyncio.Event()
         self._replica_work = asyncio.Event()
         self._stop = asyncio.Event()
@@ -322,6 +328,8 @@ class MemoryPipeline:
             try:
                 target = self._target()
                 self._hurry = True
+                assert self._rush is not None
+                self._rush.set()
                 with anyio.move_on_after(deadline):
                     await self._wait_processed(target)
                 await self._stop_workers()
@@ -497,6 +505,8 @@ class MemoryPipeline:
         fut: asyncio.Future[None] = self._loop.create_future()
         heapq.heappush(self._waiters, (target, next(self._waiter_ids), fut))
         self._hurry = True
+        assert self._rush is not None
+        self._rush.set()
         self._work.set()
         try:
             await fut
@@ -512,6 +522,8 @@ class MemoryPipeline:
                 fut.set_result(None)
         if not waiters and self._state == _OPEN:
             self._hurry = False
+            if self._rush is not None:
+                self._rush.clear()
 
     async def get_messages(self, session_id: str) -> list[dict[str, Any]]:
         """The session's stored messages, in order.
@@ -602,7 +614,10 @@ class MemoryPipeline:
                     and self._outbox.queued() < s.max_batch
                     and self._outbox.deferred() == 0
                 ):
-                    await anyio.sleep(s.max_wait_ms / 1000)  # the group-commit window
+                    # The group-commit window; a flush or shutdown ends it at once.
+                    assert self._rush is not None
+                    with anyio.move_on_after(s.max_wait_ms / 1000):
+                        await self._rush.wait()
                 turns, recovered = await self._next_batch()
                 if turns:
                     try:
@@ -914,6 +929,9 @@ class MemoryPipeline:
                               exc: Exception) -> float:
         """Keep what a failed write says; returns how long to wait before the next."""
         limit = self.settings.replica_max_attempts
+        # Failing because the backend went unavailable meanwhile (its breaker opened): an
+        # outage, in which no turn is given up; only a refusal makes a dead letter then.
+        counted = self.backend.available()
         named = {f.key: f for f in exc.failures} if isinstance(exc, BackendWriteError) else None
         written, failed = [], []
         for r in rows:
@@ -923,9 +941,9 @@ class MemoryPipeline:
                 continue
             reason = f.reason if f is not None else f"{type(exc).__name__}: {exc}"
             permanent = f.permanent if f is not None else False
-            failed.append((r.id, reason, permanent or r.attempts + 1 >= limit))
+            failed.append((r.id, reason, permanent or (counted and r.attempts + 1 >= limit)))
         await self._retry(lambda: self.store.replica_done(written))
-        await self._retry(lambda: self.store.replica_failed(failed))
+        await self._retry(lambda: self.store.replica_failed(failed, counted=counted))
         dead = sum(1 for _, _, d in failed if d)
         self._counts["replicated"] += len(written)
         self._counts["replica_errors"] += len(failed) - dead
@@ -933,7 +951,9 @@ class MemoryPipeline:
         log.warning("replica_write_failed", backend=name, turns=len(rows), written=len(written),
                     failed=len(failed), dead=dead, error=str(exc))
         retry = [r for r in failed if not r[2]]
-        return self._backoff(max((r.attempts for r in rows), default=0) + 1) if retry else 0.0
+        if not retry:
+            return 0.0
+        return self._backoff(max((r.attempts for r in rows), default=0) + 1)
 
     # -- recall ------------------------------------------------------------------------
 

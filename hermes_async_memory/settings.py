@@ -11,10 +11,13 @@ from typing import Literal
 
 import platformdirs
 
+from .backends.honcho import HonchoConfig
 from .errors import ConfigurationError
 
 OverflowPolicy = Literal["defer", "reject"]
 OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("defer", "reject")
+BackendName = Literal["null", "honcho"]
+BACKENDS: tuple[BackendName, ...] = ("null", "honcho")
 Role = Literal["embedded", "producer", "worker"]
 ROLES: tuple[Role, ...] = ("embedded", "producer", "worker")
 
@@ -86,6 +89,10 @@ class Settings:
     # How often an idle worker looks for new inbox turns and recall requests, and a
     # producer for recall results.
     shared_poll_ms: float = 20.0
+    # The replica backend built when the pipeline is given none: "null" (the local store
+    # only) or "honcho", configured by ``honcho`` (from HONCHO_* variables in from_env).
+    backend: BackendName = "null"
+    honcho: HonchoConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
@@ -104,6 +111,9 @@ class Settings:
             "max_wait_ms", "commit_retry_base_s", "frequent_terms_refresh_s", "frequent_term_ratio",
             "shutdown_deadline_s", "busy_timeout_ms", "recent_turns", "recent_chars",
         )
+        if self.backend not in BACKENDS:
+            raise ConfigurationError(
+                f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.role not in ROLES:
             raise ConfigurationError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         for name in ("lease_s", "shared_poll_ms"):
@@ -137,7 +147,8 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Read ``HERMES_MEMORY_<FIELD>`` variables (e.g. ``HERMES_MEMORY_DB_PATH``).
+        """Read ``HERMES_MEMORY_<FIELD>`` variables (e.g. ``HERMES_MEMORY_DB_PATH``), and with
+        ``HERMES_MEMORY_BACKEND=honcho`` the ``HONCHO_*`` ones (see ``HonchoConfig``).
 
         Raises:
             ConfigurationError: a variable does not parse as its field's type.
@@ -145,11 +156,15 @@ class Settings:
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for f in dataclasses.fields(cls):
+            if f.name == "honcho":
+                continue  # HONCHO_* below
             raw = env.get(ENV_PREFIX + f.name.upper())
             if raw is None:
                 continue
             values[f.name] = _parse(f.name, f.type, raw)
         values.update(overrides)
+        if values.get("backend") == "honcho" and values.get("honcho") is None:
+            values["honcho"] = HonchoConfig.from_env(env)
         return cls(**values)  # type: ignore[arg-type]
 
 

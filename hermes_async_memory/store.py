@@ -760,13 +760,16 @@ class SqliteStore:
                 f"DELETE FROM replica_outbox WHERE id IN ({','.join('?' * len(chunk))})", chunk
             )
 
-    async def replica_failed(self, failures: Sequence[tuple[int, str, bool]]) -> None:
-        """(row id, reason, dead): a dead row stops; the others count one more attempt."""
+    async def replica_failed(self, failures: Sequence[tuple[int, str, bool]], *,
+                             counted: bool = True) -> None:
+        """(row id, reason, dead): a dead row stops; the others count one more attempt,
+        unless not ``counted`` (the backend was unavailable: no attempt was really made)."""
         now = time.time()
         await (await self.aux()).executemany(
-            "UPDATE replica_outbox SET attempts = attempts + 1, last_error = ?, updated_at = ?, "
+            "UPDATE replica_outbox SET attempts = attempts + ?, last_error = ?, updated_at = ?, "
             "status = CASE WHEN ? THEN 'dead' ELSE status END WHERE id = ?",
-            [(reason[:2000], now, int(dead), int(row)) for row, reason, dead in failures],
+            [(int(counted or dead), reason[:2000], now, int(dead), int(row))
+             for row, reason, dead in failures],
         )
 
     async def replica_last_id(self, backend: str) -> int:

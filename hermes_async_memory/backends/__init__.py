@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
-from .base import Backend, RecallRequest
+from .base import (
+    Backend,
+    BackendUnavailableError,
+    BackendWriteError,
+    RecallRequest,
+    TurnFailure,
+)
+from .honcho import CircuitOpenError, HonchoBackend, HonchoConfig, HonchoWriteError
 from .memory import InMemoryBackend
 from .null import NullBackend
 
-__all__ = ["Backend", "InMemoryBackend", "NullBackend", "RecallRequest"]
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "BackendWriteError",
+    "CircuitOpenError",
+    "HonchoBackend",
+    "HonchoConfig",
+    "HonchoWriteError",
+    "InMemoryBackend",
+    "NullBackend",
+    "RecallRequest",
+    "TurnFailure",
+]

@@ -78,6 +78,11 @@ class Backend(abc.ABC):
             BackendError: the batch was not (or not certainly) written.
         """
 
+    def available(self) -> bool:
+        """Whether the backend can be tried now (False while, say, its circuit is open):
+        writes that fail while it is not are an outage, and use up no attempts."""
+        return True
+
     async def recall(self, request: RecallRequest) -> str | None:
         """A recall block, or None to let the local store answer."""
         return None
