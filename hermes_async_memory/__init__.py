@@ -5,7 +5,9 @@ It never blocks a turn, never loses a turn, and recalls ahead of the next one.
 
 from __future__ import annotations
 
-from .backends import Backend, InMemoryBackend, NullBackend
+from typing import TYPE_CHECKING, Any
+
+from .backends import Backend, HonchoBackend, HonchoConfig, InMemoryBackend, NullBackend
 from .cache import PrefetchStatus
 from .errors import (
     BackendError,
@@ -18,10 +20,14 @@ from .errors import (
     QueueFullError,
     StoreError,
 )
+from .metrics import PipelineObserver
 from .pipeline import MemoryPipeline
 from .settings import Settings
 from .stats import PipelineStats
 from .turns import Receipt
+
+if TYPE_CHECKING:
+    from .hermes.provider import HermesMemoryProvider
 
 __all__ = [
     "Backend",
@@ -30,11 +36,15 @@ __all__ = [
     "CorruptOutboxError",
     "FlushTimeoutError",
     "HermesMemoryError",
+    "HermesMemoryProvider",
+    "HonchoBackend",
+    "HonchoConfig",
     "InMemoryBackend",
     "InvalidTurnError",
     "MemoryPipeline",
     "NullBackend",
     "PipelineClosedError",
+    "PipelineObserver",
     "PipelineStats",
     "PrefetchStatus",
     "QueueFullError",
@@ -44,3 +54,13 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: importing the library must not import hermes-agent (the provider's base class).
+    if name == "HermesMemoryProvider":
+        from .hermes.provider import HermesMemoryProvider
+
+        globals()[name] = HermesMemoryProvider
+        return HermesMemoryProvider
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -342,3 +342,19 @@ async def test_shutdown_keeps_its_deadline_when_the_store_is_locked(tmp_path: Pa
     async with MemoryPipeline(settings) as again:
         await again.flush()
         assert [m["turn_key"] for m in await again.get_messages("s")][::2] == keys
+
+
+async def test_flush_and_close_cut_a_long_group_commit_window_short(tmp_path: Path) -> None:
+    # A ten-minute window: without the cut, flush would time out and close would wait.
+    settings = Settings(db_path=tmp_path / "memory.db", max_wait_ms=600_000)
+    mem = MemoryPipeline(settings)
+    await mem.start()
+    try:
+        mem.sync_turn("first", "one", session_id="s")
+        await mem.flush(timeout=10)
+        assert [m["content"] for m in await mem.get_messages("s")] == ["first", "one"]
+        mem.sync_turn("second", "two", session_id="s")
+    finally:
+        with anyio.fail_after(10):
+            await mem.aclose()
+    assert mem.stats().committed_turns == 2

@@ -1,10 +1,117 @@
-"""``hermes-memory hermes install``: write the plugin folder Hermes Agent loads."""
+"""``hermes-memory hermes install``: write the plugin folder Hermes Agent loads.
+
+    hermes-memory hermes install [--hermes-home DIR] [--force]
+
+writes ``$HERMES_HOME/plugins/hermes_async_memory/{__init__.py,plugin.yaml}``. Hermes loads it
+when ``memory.provider: hermes_async_memory`` is set in ``$HERMES_HOME/config.yaml``. Its
+loader wants, in ``__init__.py``, the text ``MemoryProvider`` or ``register_memory_provider``
+within the first 8 KB, and a ``register(ctx)`` function (or a ``MemoryProvider`` subclass);
+``plugin.yaml`` gives the description ``hermes memory setup`` lists, and ``kind: exclusive``
+keeps Hermes's general plugin manager from loading the folder as an ordinary plugin.
+
+Only argparse is imported at start-up; the command imports what it needs when it runs.
+"""
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
+# Written into the generated __init__.py; a folder whose __init__.py lacks it is not ours.
+MARKER = "Written by `hermes-memory hermes install`"
+
+INIT_TEMPLATE = '''"""hermes-async-memory as a Hermes Agent memory provider.
+
+{marker} (hermes-async-memory {version}); reinstall to refresh.
+Enable it with ``memory.provider: {name}`` in $HERMES_HOME/config.yaml. The package must be
+installed in the Python environment Hermes Agent runs in.
+"""
+
+from hermes_async_memory.hermes.plugin import HermesMemoryProvider, register
+
+__all__ = ["HermesMemoryProvider", "register"]  # register(ctx) -> ctx.register_memory_provider
+'''
+
+YAML_TEMPLATE = """# {marker} (hermes-async-memory {version})
+name: {name}
+version: {version}
+description: >-
+  hermes-async-memory: local SQLite memory; turns are durable without blocking the
+  agent, group-committed, with BM25 recall prefetched before each turn.
+kind: exclusive
+pip_dependencies:
+  - hermes-async-memory
+hooks:
+  - on_turn_start
+  - on_session_end
+  - on_session_switch
+  - on_pre_compress
+  - on_delegation
+  - on_memory_write
+"""
 
 
 def register(commands: Any) -> None:
     """Add ``hermes`` to ``commands`` (argparse sub-parsers)."""
-    del commands  # the subcommand lands here (issue 3)
+    hermes = commands.add_parser(
+        "hermes", help="Hermes Agent integration (install the memory-provider plugin)",
+        description="Hermes Agent integration.",
+    ).add_subparsers(dest="hermes_command", metavar="ACTION", required=True)
+    install = hermes.add_parser(
+        "install", help="write the memory-provider plugin folder into HERMES_HOME",
+        description="Write $HERMES_HOME/plugins/hermes_async_memory/ (__init__.py and "
+                    "plugin.yaml). Then set memory.provider: hermes_async_memory in "
+                    "$HERMES_HOME/config.yaml (hermes config set memory.provider "
+                    "hermes_async_memory).",
+    )
+    install.add_argument(
+        "--hermes-home", metavar="DIR", default=None,
+        help="the Hermes home (default: as Hermes Agent resolves it: $HERMES_HOME, else "
+             "~/.hermes)",
+    )
+    install.add_argument(
+        "--force", action="store_true",
+        help="replace a plugin folder of the same name that this command did not write",
+    )
+    install.set_defaults(handler=_install)
+
+
+def _install(args: argparse.Namespace) -> int:
+    import importlib.util
+    import os
+    import sys
+    from pathlib import Path
+
+    from .. import __version__
+    from ..errors import ConfigurationError
+    from .config import PROVIDER_NAME, default_hermes_home
+
+    home = Path(args.hermes_home).expanduser() if args.hermes_home else default_hermes_home()
+    if home.exists() and not home.is_dir():
+        raise ConfigurationError(f"the Hermes home {home} is not a directory")
+    folder = home / "plugins" / PROVIDER_NAME
+    init_file, yaml_file = folder / "__init__.py", folder / "plugin.yaml"
+    if init_file.exists() and not args.force:
+        head = init_file.read_text(encoding="utf-8", errors="replace")[:8192]
+        if MARKER not in head:
+            raise ConfigurationError(
+                f"{init_file} exists and was not written by this command; use --force to "
+                "replace it"
+            )
+    fields = {"marker": MARKER, "version": __version__, "name": PROVIDER_NAME}
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, text in ((init_file, INIT_TEMPLATE), (yaml_file, YAML_TEMPLATE)):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text.format(**fields), encoding="utf-8")
+        os.replace(tmp, path)  # Hermes never reads half a file
+    print(f"wrote {init_file}")
+    print(f"wrote {yaml_file}")
+    print(f"enable it: set memory.provider: {PROVIDER_NAME} in {home / 'config.yaml'}")
+    print(f"  (or: HERMES_HOME={home} hermes config set memory.provider {PROVIDER_NAME})")
+    if importlib.util.find_spec("hermes_constants") is None:  # a top-level module of hermes-agent
+        print(
+            f"note: hermes-agent is not installed in this Python ({sys.executable}); "
+            "hermes-async-memory must be installed where Hermes Agent runs",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,536 @@
+"""``HermesMemoryProvider``: Hermes Agent's ``MemoryProvider`` contract over the pipeline.
+
+How hermes-agent 0.19's ``MemoryManager`` calls it, and what each call costs here:
+
+    initialize(session_id, hermes_home=…, platform=…)  opens (or joins) the pipeline on its
+                                                       own event-loop thread (runtime.py)
+    prefetch(query, session_id="")   a fresh thread each turn, joined ≤ 8 s: a dict lookup in
+                                     the pipeline's cache, never a hop to the loop
+    sync_turn / queue_prefetch       the manager's single worker thread: an mmap append
+                                     (durable on return) / a queued recall; neither waits
+    handle_tool_call                 the agent's thread: one search on the loop, time-boxed
+    on_session_end, shutdown         flush / drain, within the deadline
+
+The base class is hermes-agent's ``MemoryProvider`` when it is importable, else ``abc.ABC``,
+so this module imports without hermes-agent. Hermes's plugin loader only needs an instance
+from ``register(ctx)`` (see plugin.py); its fallback looks for a ``MemoryProvider`` subclass,
+which this is whenever hermes-agent is there to load it.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextvars
+import json
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from ..errors import (
+    FlushTimeoutError,
+    HermesMemoryError,
+    InvalidTurnError,
+    PipelineClosedError,
+)
+from ..settings import Settings
+from . import config as _config
+from .runtime import Runtime, acquire, release
+
+if TYPE_CHECKING:
+    _ProviderBase = abc.ABC
+else:
+    try:
+        from agent.memory_provider import MemoryProvider as _ProviderBase
+    except ImportError:  # hermes-agent is not installed: the contract is duck-typed
+        _ProviderBase = abc.ABC
+
+log = structlog.get_logger(__name__)
+
+PROVIDER_NAME = _config.PROVIDER_NAME
+SEARCH_TOOL = "memory_search"
+# Agent contexts that must not write (hermes-agent: cron prompts, subagents and the memory
+# flush agent would pollute the user's memory).
+READ_ONLY_CONTEXTS = frozenset({"cron", "subagent", "flush"})
+# Platforms where one person uses the agent: recall spans their sessions (one scope per
+# profile, shared by these platforms).
+LOCAL_PLATFORMS = frozenset({"cli", "tui"})
+MEMORY_ACTIONS = frozenset({"add", "replace", "remove"})
+TOOL_TIMEOUT_S = 5.0
+MAX_TOOL_LIMIT = 20
+# on_pre_compress: the last few user messages of the span make the recall query; the search
+# is time-boxed because compression waits on it.
+PRE_COMPRESS_USER_MESSAGES = 4
+PRE_COMPRESS_QUERY_CHARS = 2000
+PRE_COMPRESS_TIMEOUT_S = 2.0
+# Sessions whose lineage (parent session) is remembered for their turns' metadata.
+MAX_LINEAGE = 256
+
+SYSTEM_PROMPT = (
+    "## Long-term memory\n"
+    "Earlier conversations are stored locally (hermes-async-memory). Before each reply, "
+    "the latest turns of this session and snippets recalled from earlier sessions may "
+    "appear in a <memory-context> block: background, not a new request. To look up "
+    "something said before (a name, a decision, a preference, a file), call "
+    f"`{SEARCH_TOOL}` rather than asking the user to repeat it."
+)
+
+SEARCH_SCHEMA: dict[str, Any] = {
+    "name": SEARCH_TOOL,
+    "description": (
+        "Full-text search over what was said in earlier conversations with this user "
+        "(all their stored sessions, or only this one). Returns dated snippets, best match "
+        "first. Use keywords, not a question."
+    ),
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "query": {"type": "string",
+                      "description": "Keywords to look for, e.g. 'Lisbon restaurant station'"},
+            "scope": {"type": "string", "enum": ["user", "session"],
+                      "description": "'user' (default): every stored session of this user; "
+                                     "'session': this session only"},
+            "limit": {"type": "integer", "minimum": 1, "maximum": MAX_TOOL_LIMIT,
+                      "description": "Most snippets to return (default 5)"},
+        },
+        "required": ["query"],
+    },
+}
+
+
+class HermesMemoryProvider(_ProviderBase):
+    """A Hermes Agent memory provider: turns durable without waiting, recall prefetched.
+
+    ``settings`` overrides what ``initialize`` would read from HERMES_HOME (for tests and
+    embedding); without it, see ``hermes_async_memory.hermes.config``.
+    """
+
+    def __init__(self, settings: Settings | None = None, *,
+                 default_user_id: str | None = None) -> None:
+        self._settings = settings
+        self._default_user_id = default_user_id
+        self._runtime: Runtime | None = None
+        self._lock = threading.Lock()  # initialize / shutdown transitions
+        self._session_id = ""
+        self._user_id: str | None = None
+        self._writes = True
+        self._base_metadata: dict[str, Any] = {}
+        self._parents: dict[str, str] = {}
+        self._model: str | None = None
+        self._turn_number = 0
+
+    # -- identity ----------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return PROVIDER_NAME
+
+    def is_available(self) -> bool:
+        """True: the store is a local file and this package imported. No I/O."""
+        return True
+
+    @property
+    def session_id(self) -> str:
+        """The session this provider is bound to (initialize or the last switch)."""
+        return self._session_id
+
+    @property
+    def user_id(self) -> str | None:
+        """The user recall is scoped to; None means per session."""
+        return self._user_id
+
+    @property
+    def settings(self) -> Settings | None:
+        """The pipeline's settings once initialized."""
+        runtime = self._runtime
+        return runtime.settings if runtime is not None else self._settings
+
+    # -- life cycle --------------------------------------------------------------------
+
+    def initialize(self, session_id: str, **kwargs: Any) -> None:
+        """Bind to ``session_id`` and open the pipeline (shared with the process's other
+        providers on the same store). kwargs as hermes-agent documents them: hermes_home,
+        platform, agent_context, agent_identity, agent_workspace, parent_session_id, user_id.
+
+        Raises:
+            ConfigurationError: the provider config or the environment holds an invalid value.
+            StoreError: the store or its outbox cannot be opened (e.g. another process has it).
+        """
+        home_arg = kwargs.get("hermes_home")
+        hermes_home = Path(home_arg) if home_arg else _config.default_hermes_home()
+        settings, default_user = self._settings, self._default_user_id
+        if settings is None:
+            loaded = _config.load(hermes_home)
+            settings, default_user = loaded.settings, default_user or loaded.default_user_id
+        platform = _text(kwargs.get("platform"))
+        identity = _text(kwargs.get("agent_identity"))
+        user_id = _text(kwargs.get("user_id")) or default_user
+        if not user_id and platform in LOCAL_PLATFORMS:
+            user_id = f"local:{identity or 'default'}"  # the CLI and the TUI: one person
+        metadata = {
+            "source": platform or None,
+            "agent_identity": identity or None,
+            "agent_workspace": _text(kwargs.get("agent_workspace")) or None,
+        }
+        with self._lock:
+            self._session_id = session_id
+            self._user_id = user_id or None
+            self._writes = _text(kwargs.get("agent_context")) not in READ_ONLY_CONTEXTS
+            self._base_metadata = {k: v for k, v in metadata.items() if v}
+            parent = _text(kwargs.get("parent_session_id"))
+            if parent and session_id:
+                self._remember_parent(session_id, parent)
+            if self._runtime is None:
+                self._runtime = acquire(settings, contextvars.copy_context())
+        log.info("hermes_provider_initialized", session_id=session_id, platform=platform,
+                 db=str(settings.db_path), writes=self._writes)
+
+    def shutdown(self) -> None:
+        """Drain and let go of the pipeline within its deadline; the last provider on the
+        store closes it and joins its loop thread. Idempotent."""
+        with self._lock:
+            runtime, self._runtime = self._runtime, None
+        if runtime is not None:
+            release(runtime, runtime.settings.shutdown_deadline_s)
+
+    # -- the turn path -----------------------------------------------------------------
+
+    def system_prompt_block(self) -> str:
+        return SYSTEM_PROMPT
+
+    def prefetch(self, query: str, *, session_id: str = "") -> str:
+        """The session's cached block: recent turns plus the last recall ("" when none).
+
+        A dict lookup on the calling thread; never waits on the loop.
+        """
+        runtime = self._runtime
+        pipeline = runtime.pipeline if runtime is not None else None
+        session = session_id or self._session_id
+        if pipeline is None or not session:
+            return ""
+        return pipeline.prefetch(query, session_id=session)
+
+    def queue_prefetch(self, query: str, *, session_id: str = "") -> None:
+        """Recall for the session's next turn, in the background. Never waits.
+
+        Raises:
+            PipelineClosedError: the provider is not initialized (or was shut down).
+        """
+        session = session_id or self._session_id
+        if not session or not isinstance(query, str) or not query.strip():
+            return
+        runtime = self._require_runtime()
+        pipeline = runtime.pipeline
+        if pipeline is None or runtime.closed_at_exit:
+            return  # the process is exiting: a recall for a next turn is moot
+        pipeline.queue_prefetch(query, session_id=session, user_id=self._user_id)
+
+    def sync_turn(self, user_content: str, assistant_content: str, *, session_id: str = "",
+                  messages: list[dict[str, Any]] | None = None) -> None:
+        """Store a finished turn: durable when this returns, without waiting on the store.
+
+        ``messages`` (the whole conversation, as Hermes passes it) contributes this turn's
+        tool calls and results. Skipped for cron, subagent and flush agents.
+
+        Raises:
+            InvalidTurnError: the turn cannot be stored even without its tool messages.
+            PipelineClosedError: the provider is not initialized (or was shut down).
+            StoreError: the outbox cannot grow (disk full).
+        """
+        if not self._writes:
+            return
+        session = session_id or self._session_id
+        runtime = self._require_runtime()
+        rows = this_turn(messages, user_content, assistant_content) if messages else None
+        metadata = self._turn_metadata(session)
+        try:
+            runtime.sync_turn(user_content, assistant_content, session_id=session,
+                              user_id=self._user_id, messages=rows, metadata=metadata)
+        except InvalidTurnError as exc:
+            if rows is None:
+                raise
+            # Keep the turn's text rather than lose the turn over its tool messages.
+            log.warning("hermes_turn_messages_refused", session_id=session, error=str(exc))
+            runtime.sync_turn(user_content, assistant_content, session_id=session,
+                              user_id=self._user_id, messages=None, metadata=metadata)
+
+    # -- tools -------------------------------------------------------------------------
+
+    def get_tool_schemas(self) -> list[dict[str, Any]]:
+        return [SEARCH_SCHEMA]
+
+    def handle_tool_call(self, tool_name: str, args: dict[str, Any], **kwargs: Any) -> str:
+        """Run a tool; the result (or the error) is a JSON string. Never raises."""
+        if tool_name != SEARCH_TOOL:
+            return _json_error(f"{PROVIDER_NAME} has no tool named {tool_name!r}")
+        if not isinstance(args, Mapping):
+            return _json_error("arguments must be a JSON object")
+        query, scope, limit = args.get("query"), args.get("scope") or "user", args.get("limit")
+        if not isinstance(query, str) or not query.strip():
+            return _json_error("query must be a non-empty string")
+        if scope not in ("user", "session"):
+            return _json_error("scope must be 'user' or 'session'")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or not 1 <= limit <= MAX_TOOL_LIMIT):
+            return _json_error(f"limit must be an integer from 1 to {MAX_TOOL_LIMIT}")
+        try:
+            block = self.search(query, scope=scope, limit=limit, timeout_s=TOOL_TIMEOUT_S)
+        except (HermesMemoryError, TimeoutError) as exc:
+            return _json_error(f"{SEARCH_TOOL} failed: {exc}")
+        return json.dumps({"query": query, "scope": scope, "found": bool(block),
+                           "results": block}, ensure_ascii=False)
+
+    def search(self, query: str, *, scope: str = "user", limit: int | None = None,
+               timeout_s: float = TOOL_TIMEOUT_S) -> str:
+        """A recall now, over the user's sessions (``scope="user"``) or this session's.
+
+        Raises:
+            PipelineClosedError: the provider is not initialized (or was shut down).
+            TimeoutError: no answer within ``timeout_s``.
+        """
+        runtime = self._require_runtime()
+        user = self._user_id if scope == "user" else None
+        session = self._session_id or None
+        if user is None and session is None:
+            return ""
+        return runtime.call(
+            lambda p: p.search(query, user_id=user, session_id=session, limit=limit), timeout_s,
+        )
+
+    # -- hooks -------------------------------------------------------------------------
+
+    def on_turn_start(self, turn_number: int, message: str, **kwargs: Any) -> None:
+        """Keep the turn number and the model for the turns' metadata."""
+        self._turn_number = turn_number if isinstance(turn_number, int) else 0
+        model = kwargs.get("model")
+        if isinstance(model, str) and model:
+            self._model = model
+
+    def on_session_end(self, messages: list[dict[str, Any]]) -> None:
+        """Commit everything accepted so far (bounded; the rest stays durable)."""
+        self._flush_quietly("session_end")
+
+    def on_session_switch(self, new_session_id: str, *, parent_session_id: str = "",
+                          reset: bool = False, rewound: bool = False, **kwargs: Any) -> None:
+        """Rebind to ``new_session_id``. A reset (``/new``) first commits the old session's
+        turns; a compression or a branch records the old session as the new one's parent.
+        A rewind (``/undo``) changes nothing: stored turns are history."""
+        if reset:
+            self._flush_quietly("session_reset")
+        reason = kwargs.get("reason")
+        lineage = reason in ("compression", "branch") or (reason is None and not reset)
+        if lineage and parent_session_id and parent_session_id != new_session_id:
+            self._remember_parent(new_session_id, parent_session_id)
+        if new_session_id:
+            self._session_id = new_session_id
+
+    def on_pre_compress(self, messages: list[dict[str, Any]]) -> str:
+        """What to keep through a context compression: the memory recalled for the user
+        messages being compressed (their turns stay stored and searchable). Time-boxed;
+        "" when nothing is found or the pipeline is not there."""
+        texts = [m.get("content") for m in messages or []
+                 if isinstance(m, Mapping) and m.get("role") == "user"]
+        query = " ".join(t for t in texts[-PRE_COMPRESS_USER_MESSAGES:] if isinstance(t, str))
+        query = query[-PRE_COMPRESS_QUERY_CHARS:]
+        if not query.strip() or self._runtime is None:
+            return ""
+        try:
+            block = self.search(query, timeout_s=PRE_COMPRESS_TIMEOUT_S)
+        except (HermesMemoryError, TimeoutError) as exc:
+            log.warning("hermes_pre_compress_recall_failed", error=str(exc))
+            return ""
+        if not block:
+            return ""
+        return ("Long-term memory about the turns being compressed (they stay stored and "
+                f"searchable with {SEARCH_TOOL}):\n{block}")
+
+    def on_delegation(self, task: str, result: str, *, child_session_id: str = "",
+                      **kwargs: Any) -> None:
+        """Store a subagent's task and result as a turn of this session.
+
+        Raises:
+            PipelineClosedError: the provider is not initialized (or was shut down).
+        """
+        if not self._writes or not self._session_id:
+            return
+        extra = {"kind": "delegation", "child_session_id": child_session_id or None}
+        self._store_note(self._session_id, f"[delegated to a subagent] {task}", result, extra)
+
+    def on_memory_write(self, action: str, target: str, content: str,
+                        metadata: dict[str, Any] | None = None) -> None:
+        """Mirror a write of Hermes's built-in memory tool as a turn, marked in its metadata
+        (``kind: memory_write``), so recall and search find it.
+
+        Raises:
+            PipelineClosedError: the provider is not initialized (or was shut down).
+        """
+        if not self._writes or action not in MEMORY_ACTIONS:
+            return
+        provenance = dict(metadata or {})
+        session = _text(provenance.get("session_id")) or self._session_id
+        if not session:
+            return
+        text = f"(removed) {content}" if action == "remove" else content
+        extra = {"kind": "memory_write", "action": action, "target": target,
+                 "provenance": {k: v for k, v in provenance.items() if _is_plain(v)} or None}
+        self._store_note(session, f"[memory {action}: {target}]", text, extra)
+
+    # -- configuration -----------------------------------------------------------------
+
+    def get_config_schema(self) -> list[dict[str, Any]]:
+        return _config.config_schema()
+
+    def save_config(self, values: dict[str, Any], hermes_home: str) -> None:
+        """Merge ``values`` into ``$HERMES_HOME/hermes_async_memory.json``.
+
+        Raises:
+            ConfigurationError: a key is unknown or a value is invalid; nothing was written.
+            OSError: the file cannot be written.
+        """
+        _config.save(values, Path(hermes_home))
+
+    def backup_paths(self) -> list[str]:
+        """The store file, its WAL and its outbox folders, when they live outside HERMES_HOME
+        (``hermes backup`` already archives everything inside it). Config and environment
+        only: no initialize, no I/O beyond a directory listing."""
+        hermes_home = _config.default_hermes_home()
+        if self._settings is not None:
+            db = self._settings.db_path
+        else:
+            try:
+                db = _config.load(hermes_home).settings.db_path
+            except HermesMemoryError as exc:
+                log.warning("hermes_backup_paths_unresolved", error=str(exc))
+                return []
+        db = db.expanduser().absolute()
+        if _is_within(db, hermes_home.expanduser().absolute()):
+            return []
+        paths = [db, db.with_name(db.name + "-wal")]
+        if db.parent.is_dir():
+            paths += sorted(p for p in db.parent.glob(db.name + ".outbox*") if p.is_dir())
+        return [str(p) for p in paths]
+
+    # -- extras (not in the contract) --------------------------------------------------
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        """Wait until every turn accepted so far is committed and recallable.
+
+        Raises:
+            FlushTimeoutError: the deadline passed first; the turns stay durable.
+            PipelineClosedError: the provider is not initialized (or was shut down).
+        """
+        runtime = self._require_runtime()
+        runtime.flush(runtime.settings.shutdown_deadline_s if timeout_s is None else timeout_s)
+
+    def get_messages(self, session_id: str, timeout_s: float = TOOL_TIMEOUT_S) -> list[
+            dict[str, Any]]:
+        """The session's stored messages, in order.
+
+        Raises:
+            PipelineClosedError: the provider is not initialized (or was shut down).
+            TimeoutError: no answer within ``timeout_s``.
+        """
+        return self._require_runtime().call(lambda p: p.get_messages(session_id), timeout_s)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _require_runtime(self) -> Runtime:
+        runtime = self._runtime
+        if runtime is None:
+            raise PipelineClosedError(f"the {PROVIDER_NAME} memory provider is not initialized")
+        return runtime
+
+    def _turn_metadata(self, session_id: str) -> dict[str, Any]:
+        md = dict(self._base_metadata)
+        parent = self._parents.get(session_id)
+        if parent:
+            md["parent_session_id"] = parent
+        if self._model:
+            md["model"] = self._model
+        if self._turn_number:
+            md["turn_number"] = self._turn_number
+        return md
+
+    def _remember_parent(self, session_id: str, parent: str) -> None:
+        parents = self._parents
+        parents.pop(session_id, None)
+        parents[session_id] = parent
+        while len(parents) > MAX_LINEAGE:
+            parents.pop(next(iter(parents)))
+
+    def _store_note(self, session_id: str, header: str, text: str,
+                    extra: Mapping[str, Any]) -> None:
+        metadata = {**self._turn_metadata(session_id),
+                    **{k: v for k, v in extra.items() if v is not None}}
+        self._require_runtime().sync_turn(
+            header, text, session_id=session_id, user_id=self._user_id, messages=None,
+            metadata=metadata,
+        )
+
+    def _flush_quietly(self, why: str) -> None:
+        """A bounded flush at a boundary: a timeout is logged, not raised (the turns are
+        durable already and the next start commits them)."""
+        runtime = self._runtime
+        if runtime is None or not runtime.is_open:
+            return
+        try:
+            runtime.flush(runtime.settings.shutdown_deadline_s)
+        except (FlushTimeoutError, TimeoutError, PipelineClosedError) as exc:
+            log.warning("hermes_flush_incomplete", at=why, error=str(exc))
+
+
+def this_turn(messages: Sequence[Mapping[str, Any]], user_content: str,
+              assistant_content: str) -> list[dict[str, Any]] | None:
+    """This turn's messages out of the conversation Hermes passes, user text as given.
+
+    Hermes hands its live message list to a worker thread, so by the time ``sync_turn`` runs
+    the next turn may have been appended: the turn ends at its final assistant message (the
+    last one equal to ``assistant_content`` within the last two user turns), else at the
+    end. Its user message is replaced by ``user_content``, which Hermes has already cleaned
+    of skill scaffolding. None when there is no user message to start from.
+    """
+    snapshot = list(messages)
+    end = len(snapshot)
+    users_seen = 0
+    for i in range(len(snapshot) - 1, -1, -1):
+        m = snapshot[i]
+        if not isinstance(m, Mapping):
+            continue
+        role = m.get("role")
+        if role == "assistant" and m.get("content") == assistant_content:
+            end = i + 1
+            break
+        if role == "user":
+            users_seen += 1
+            if users_seen == 2:
+                break
+    for start in range(end - 1, -1, -1):
+        m = snapshot[start]
+        if isinstance(m, Mapping) and m.get("role") == "user":
+            rows = [dict(r) for r in snapshot[start:end] if isinstance(r, Mapping)]
+            if user_content:
+                rows[0]["content"] = user_content
+            return rows
+    return None
+
+
+def _text(value: object) -> str:
+    return value.strip() if isinstance(value, str) else ""
+
+
+def _is_plain(value: object) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+    except ValueError:
+        return False
+    return True
+
+
+def _json_error(message: str) -> str:
+    return json.dumps({"error": message}, ensure_ascii=False)

@@ -1,0 +1,105 @@
+"""``hermes-memory hermes install``: the plugin folder, as Hermes Agent's loaders read it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hermes_async_memory import cli
+from hermes_async_memory.hermes import config as hconfig
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+NAME = hconfig.PROVIDER_NAME
+
+
+def plugin_dir(home: Path) -> Path:
+    return home / "plugins" / NAME
+
+
+def test_install_writes_a_folder_hermes_recognises(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    home = tmp_path / "home"
+    assert cli.main(["hermes", "install", "--hermes-home", str(home)]) == 0
+    out = capsys.readouterr().out
+    assert f"memory.provider: {NAME}" in out
+    init = (plugin_dir(home) / "__init__.py").read_text(encoding="utf-8")
+    # plugins/memory/__init__.py: the text check over the first 8 KB, then register(ctx).
+    assert "MemoryProvider" in init[:8192]
+    assert "def register" in init or "import HermesMemoryProvider, register" in init
+    manifest = yaml.safe_load((plugin_dir(home) / "plugin.yaml").read_text(encoding="utf-8"))
+    assert manifest["name"] == NAME
+    assert manifest["kind"] == "exclusive"  # the general plugin manager leaves it alone
+    assert "hermes-async-memory" in manifest["description"]
+
+
+def test_reinstall_replaces_our_own_files(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    assert cli.main(["hermes", "install", "--hermes-home", str(home)]) == 0
+    (plugin_dir(home) / "__init__.py").write_text(
+        (plugin_dir(home) / "__init__.py").read_text() + "# edited\n")
+    assert cli.main(["hermes", "install", "--hermes-home", str(home)]) == 0
+    assert "# edited" not in (plugin_dir(home) / "__init__.py").read_text()
+
+
+def test_a_foreign_folder_is_kept_unless_forced(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    home = tmp_path / "home"
+    plugin_dir(home).mkdir(parents=True)
+    (plugin_dir(home) / "__init__.py").write_text("# someone else's plugin\n")
+    assert cli.main(["hermes", "install", "--hermes-home", str(home)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hermes-memory: error: ") and "--force" in err[0]
+    assert (plugin_dir(home) / "__init__.py").read_text() == "# someone else's plugin\n"
+    assert cli.main(["hermes", "install", "--hermes-home", str(home), "--force"]) == 0
+    assert "MemoryProvider" in (plugin_dir(home) / "__init__.py").read_text()
+
+
+def test_a_hermes_home_that_is_a_file_is_one_error_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    home = tmp_path / "file"
+    home.write_text("")
+    assert cli.main(["hermes", "install", "--hermes-home", str(home)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a directory" in err[0]
+
+
+def test_hermes_home_defaults_as_hermes_agent_resolves_it(tmp_path: Path) -> None:
+    home = tmp_path / "from-env"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_MEMORY_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["HERMES_HOME"] = str(home)
+    result = subprocess.run(
+        [sys.executable, "-m", "hermes_async_memory.cli", "hermes", "install"],
+        capture_output=True, text=True, env=env, timeout=60, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert (plugin_dir(home) / "plugin.yaml").is_file()
+
+
+def test_without_hermes_home_the_default_is_dot_hermes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("HERMES_HOME", raising=False)
+    assert hconfig.default_hermes_home() == tmp_path / ".hermes"  # hermes-agent's resolver
+    assert hconfig.default_hermes_home({}) == tmp_path / ".hermes"  # the fallback
+
+
+def test_hermes_plugin_manager_routes_the_folder_to_memory_discovery(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    plugins = pytest.importorskip("hermes_cli.plugins")
+    home = tmp_path / "home"
+    assert cli.main(["hermes", "install", "--hermes-home", str(home)]) == 0
+    monkeypatch.setenv("HERMES_HOME", str(home))
+    manager = plugins.PluginManager()
+    manifest = manager._parse_manifest(plugin_dir(home) / "plugin.yaml", plugin_dir(home),
+                                       "user", "")
+    assert manifest is not None and manifest.kind == "exclusive" and manifest.name == NAME
