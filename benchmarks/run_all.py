@@ -23,7 +23,7 @@ from pathlib import Path
 
 from _common import BENCH_DIR, library_version, machine
 
-BENCHMARKS = ("prefetch", "sync_turn", "throughput", "recall", "flush")
+BENCHMARKS = ("prefetch", "sync_turn", "throughput", "recall", "flush", "hermes", "honcho")
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 QUIET_BELOW = 0.15
 BENCH_TIMEOUT_S = 1_200.0  # share of all CPUs busy with other work

@@ -100,7 +100,9 @@ _SLICE_S = 0.0005
 # A recall waits at most this long for the turns accepted before it was queued.
 _RECALL_BARRIER_S = 1.0
 _RETRY_CAP_S = 5.0
-_REPLICA_CHUNK = 500  # turns per backend write, read from the replica outbox
+# One backend write: the whole backlog of up to this many sessions, up to this many turns.
+_REPLICA_SESSIONS = 256
+_REPLICA_TURNS = 5000
 _REPLICA_POLL_S = 1.0
 _MAINTAIN_EVERY_S = 1.0
 _PRODUCER_SLOTS = 64
@@ -897,7 +899,7 @@ class MemoryPipeline:
         unsure_upto = await self.store.replica_last_id(name)
         failures_in_row = 0
         while True:
-            rows = await self.store.replica_pending(name, _REPLICA_CHUNK)
+            rows = await self.store.replica_pending(name, _REPLICA_SESSIONS, _REPLICA_TURNS)
             if not rows:
                 self._replica_work.clear()
                 with anyio.move_on_after(_REPLICA_POLL_S):  # a replayed dead letter: no event

@@ -133,6 +133,8 @@ CREATE TABLE IF NOT EXISTS replica_outbox (
     UNIQUE (backend, turn_key)
 );
 CREATE INDEX IF NOT EXISTS idx_replica_outbox_open ON replica_outbox(backend, status, id);
+CREATE INDEX IF NOT EXISTS idx_replica_outbox_session
+    ON replica_outbox(backend, status, session_id, id);
 """
 # Set on the writer connection: a batch of inbox turns commits only while its lease holds.
 _LEASE_GUARD = """
@@ -711,11 +713,19 @@ class SqliteStore:
 
     # -- the replica backend's outbox ---------------------------------------------------
 
-    async def replica_pending(self, backend: str, limit: int) -> list[ReplicaRow]:
-        """The oldest turns waiting for ``backend``, in commit order."""
+    async def replica_pending(self, backend: str, sessions: int, limit: int
+                              ) -> list[ReplicaRow]:
+        """Turns waiting for ``backend``: every waiting turn (up to ``limit``, in commit
+        order) of the ``sessions`` sessions whose oldest waiting turn is oldest. A session's
+        backlog goes out together, so a remote store that takes messages per session gets
+        one call for many turns, and no session waits behind a busier one."""
         async with self.reader() as db, db.execute(
             "SELECT id, turn_key, session_id, first_id, n_messages, attempts FROM replica_outbox "
-            "WHERE backend = ? AND status = 'pending' ORDER BY id LIMIT ?", (backend, limit),
+            "WHERE backend = :b AND status = 'pending' AND session_id IN ("
+            "  SELECT session_id FROM replica_outbox WHERE backend = :b AND status = 'pending' "
+            "  GROUP BY session_id ORDER BY min(id) LIMIT :sessions) "
+            "ORDER BY id LIMIT :limit",
+            {"b": backend, "sessions": sessions, "limit": limit},
         ) as cur:
             return [ReplicaRow(*r) for r in await cur.fetchall()]
 
@@ -737,7 +747,9 @@ class SqliteStore:
                 if m[0] in wanted:
                     by_key.setdefault(m[0], []).append(m)
         turns = []
-        for r in rows:
+        for n, r in enumerate(rows):
+            if n % 200 == 199:
+                await asyncio.sleep(0)  # rebuilding thousands of turns: let the loop run
             msgs = by_key.get(r.turn_key)
             if not msgs:
                 continue
