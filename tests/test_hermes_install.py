@@ -103,3 +103,29 @@ def test_hermes_plugin_manager_routes_the_folder_to_memory_discovery(
     manifest = manager._parse_manifest(plugin_dir(home) / "plugin.yaml", plugin_dir(home),
                                        "user", "")
     assert manifest is not None and manifest.kind == "exclusive" and manifest.name == NAME
+
+
+def test_the_config_schema_and_file_carry_the_honcho_backend(tmp_path: Path) -> None:
+    from hermes_async_memory.backends import HonchoConfig
+    from hermes_async_memory.errors import ConfigurationError
+    config = hconfig
+
+    keys = {field["key"]: field for field in config.config_schema()}
+    assert keys["honcho_api_key"]["secret"] is True
+    assert keys["honcho_api_key"]["env_var"] == "HONCHO_API_KEY"
+    assert {"backend", "honcho_base_url", "honcho_workspace_id", "honcho_assistant_peer",
+            "honcho_user_peer_prefix"} <= set(keys)
+
+    config.save({"backend": "honcho", "honcho_base_url": "https://honcho.example.org",
+                 "honcho_workspace_id": "team", "honcho_assistant_peer": "atlas"}, tmp_path)
+    env = {"HONCHO_API_KEY": "hk-from-the-env"}
+    settings = config.load(tmp_path, env).settings
+    assert settings.backend == "honcho"
+    assert settings.honcho == HonchoConfig(
+        base_url="https://honcho.example.org", api_key="hk-from-the-env",
+        workspace_id="team", assistant_peer="atlas")
+    assert "hk-from-the-env" not in repr(settings)
+    with pytest.raises(ConfigurationError, match="API key belongs in the environment"):
+        config.save({"honcho_api_key": "hk-in-a-file"}, tmp_path)
+    with pytest.raises(ConfigurationError, match="HONCHO_API_KEY"):  # remote URL, no key
+        config.load(tmp_path, {})

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..backends.honcho import ENV_PREFIX as HONCHO_PREFIX
+from ..backends.honcho import PRODUCTION_URL, RECALL_MODES, HonchoConfig
 from ..errors import ConfigurationError
-from ..settings import ENV_PREFIX, Settings
+from ..settings import BACKENDS, ENV_PREFIX, Settings
 
 PROVIDER_NAME = "hermes_async_memory"
 CONFIG_FILE = f"{PROVIDER_NAME}.json"
@@ -30,8 +32,10 @@ HOME_VARIABLE = "HERMES_HOME"
 _HOME_MARKERS = ("${HERMES_HOME}", "$HERMES_HOME")
 # Provider options that are not pipeline settings.
 DEFAULT_USER_ID = "default_user_id"
-_SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))
+_SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings)) - {"honcho"}
 _PROVIDER_FIELDS = frozenset({DEFAULT_USER_ID})
+# The Honcho backend's options, as "honcho_<field>" keys (HONCHO_<FIELD> in the environment).
+_HONCHO_FIELDS = {f"honcho_{f.name}": f.name for f in dataclasses.fields(HonchoConfig)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +115,15 @@ def resolve(hermes_home: Path, values: Mapping[str, Any],
         for name, value in values.items()
         if name in _SETTING_FIELDS and value is not None and value != ""
     }
+    raw.update({
+        HONCHO_PREFIX + _HONCHO_FIELDS[name].upper(): _as_text(name, value, flag=True)
+        for name, value in values.items()
+        if name in _HONCHO_FIELDS and value is not None and value != ""
+    })
     db_key = ENV_PREFIX + "DB_PATH"
     in_file = raw.get(db_key)
-    raw.update({k: v for k, v in environ.items() if k.startswith(ENV_PREFIX)})
+    raw.update({k: v for k, v in environ.items()
+                if k.startswith(ENV_PREFIX) or k.startswith(HONCHO_PREFIX)})
     db = raw.get(db_key)
     if db is None:
         raw[db_key] = str(hermes_home / DEFAULT_DB)
@@ -138,7 +148,9 @@ def save(values: Mapping[str, Any], hermes_home: Path) -> Path:
     """
     merged = {**read_config_file(hermes_home), **dict(values)}
     merged = {k: v for k, v in merged.items() if v is not None and v != ""}
-    resolve(hermes_home, merged, {})  # validate, environment aside
+    # Validate, environment aside but for the API key, which never lives in this file:
+    # Hermes keeps it in its .env.
+    resolve(hermes_home, merged, {HONCHO_PREFIX + "API_KEY": "kept-in-the-environment"})
     path = config_path(hermes_home)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -148,7 +160,8 @@ def save(values: Mapping[str, Any], hermes_home: Path) -> Path:
 
 
 def config_schema() -> list[dict[str, Any]]:
-    """The fields ``hermes memory setup`` asks for (all optional; none is a secret)."""
+    """The fields ``hermes memory setup`` asks for (all optional). The Honcho API key is the
+    one secret: Hermes keeps it in its .env as HONCHO_API_KEY, never in the config file."""
     return [
         {"key": "db_path",
          "description": "SQLite store file; its outbox folder lives beside it",
@@ -166,7 +179,29 @@ def config_schema() -> list[dict[str, Any]]:
          "description": "Seconds shutdown waits for turns to commit (the rest stays durable "
                         "on disk and is committed at the next start)",
          "default": _default("shutdown_deadline_s")},
+        {"key": "backend",
+         "description": "Replica backend: null (this machine only) or honcho (a Honcho "
+                        "server, cloud or self-hosted; the local store stays the record)",
+         "default": "null", "choices": list(BACKENDS)},
+        {"key": "honcho_base_url", "description": "Honcho base URL (self-hosted or cloud)",
+         "default": PRODUCTION_URL, "env_var": HONCHO_PREFIX + "BASE_URL"},
+        {"key": "honcho_api_key",
+         "description": "Honcho API key (not needed for a server on this machine)",
+         "secret": True, "env_var": HONCHO_PREFIX + "API_KEY"},
+        {"key": "honcho_workspace_id", "description": "Honcho workspace",
+         "default": _honcho_default("workspace_id")},
+        {"key": "honcho_assistant_peer", "description": "Honcho peer name of the assistant",
+         "default": _honcho_default("assistant_peer")},
+        {"key": "honcho_user_peer_prefix", "description": "Prefix of each user's Honcho peer",
+         "default": _honcho_default("user_peer_prefix")},
+        {"key": "honcho_recall_mode", "description": "What a recall asks Honcho for",
+         "default": _honcho_default("recall_mode"), "choices": list(RECALL_MODES)},
     ]
+
+
+def _honcho_default(name: str) -> str:
+    (field,) = (f for f in dataclasses.fields(HonchoConfig) if f.name == name)
+    return str(field.default)
 
 
 def _default(name: str) -> str:
@@ -175,12 +210,18 @@ def _default(name: str) -> str:
 
 
 def _check_keys(values: Mapping[str, Any], where: str) -> None:
-    unknown = sorted(set(values) - _SETTING_FIELDS - _PROVIDER_FIELDS)
+    unknown = sorted(set(values) - _SETTING_FIELDS - _PROVIDER_FIELDS - set(_HONCHO_FIELDS))
+    if "honcho_api_key" in values:
+        raise ConfigurationError(
+            f"{where}: the Honcho API key belongs in the environment (HONCHO_API_KEY, which "
+            "Hermes keeps in its .env), not in a config file")
     if unknown:
         raise ConfigurationError(f"unknown key(s) in {where}: {', '.join(unknown)}")
 
 
-def _as_text(name: str, value: Any) -> str:
+def _as_text(name: str, value: Any, *, flag: bool = False) -> str:
+    if flag and isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise ConfigurationError(f"{name} must be a string or a number, got {value!r}")
     return str(value)
