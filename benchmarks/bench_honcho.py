@@ -149,8 +149,9 @@ async def main() -> list[Result]:
     more = build_turns(specs[n:2 * n], "b", key_tag="m")  # the same sessions, new turns
     pipe = build_turns(specs[:n], "p")
     base_turns = build_turns(specs[2 * n:], "x")
-    long_specs = make_turns(corpus, long_sessions * 100, long_sessions, seed=12)
-    long_turns = build_turns(long_specs, "l")
+    long_specs = make_turns(corpus, 2 * long_sessions * 100, long_sessions, seed=12)
+    long_turns = build_turns(long_specs[:long_sessions * 100], "l")
+    long_more = build_turns(long_specs[long_sessions * 100:], "l", key_tag="lm")
 
     fake = FakeHoncho(latency_s=LATENCY_S)
     fake.start()
@@ -166,6 +167,7 @@ async def main() -> list[Result]:
 
         pipe_s, pipe_calls = await pipeline_drain(fake, "pipeline", pipe)
         long_s, long_calls, b3 = await timed_write(fake, "long", [long_turns])
+        long_more_s, long_more_calls, _ = await timed_write(fake, "long", [long_more], b3)
         await b3.aclose()
     finally:
         fake.stop()
@@ -179,8 +181,10 @@ async def main() -> list[Result]:
          f"{per_1k(steady_calls, n):.0f}", f"{steady_s:.2f} s"],
         ["pipeline: accept, commit, replicate", n, pipe_calls,
          f"{per_1k(pipe_calls, n):.0f}", f"{pipe_s:.2f} s"],
-        [f"long sessions, {long_sessions} x 100 turns", len(long_turns), long_calls,
-         f"{per_1k(long_calls, len(long_turns)):.0f}", f"{long_s:.2f} s"],
+        [f"long sessions, {long_sessions} x 100 turns (cold)", len(long_turns), long_calls,
+         f"{per_1k(long_calls, len(long_turns)):.1f}", f"{long_s:.2f} s"],
+        ["long sessions, 100 more turns each (steady)", len(long_more), long_more_calls,
+         f"{per_1k(long_more_calls, len(long_more)):.1f}", f"{long_more_s:.2f} s"],
     ]
     print_table(["shape", "turns", "HTTP calls", "calls / 1k turns", "drain"], rows)
     print(f"backend stats (backlog + steady): retries {stats.get('retries', 0)}, calls by route "
@@ -212,18 +216,20 @@ async def main() -> list[Result]:
         ),
         Result(
             f"Honcho HTTP calls per 1,000 turns, {TURNS_PER_SESSION}-turn sessions "
-            "(cold / steady)",
+            "(cold / steady; floor 50: one call per session)",
             f"{calls_cold:.0f} / {calls_steady:.0f}",
             f"1 call a turn: {per_1k(base_calls, len(base_turns)):.0f}",
             f"{per_1k(base_calls, len(base_turns)) / calls_steady:.0f}x fewer",
-            f"≤ {GOAL_CALLS_PER_1K}",
+            f"≤ {GOAL_CALLS_PER_1K} (steady)",
             calls_steady <= GOAL_CALLS_PER_1K,
         ),
         Result(
-            f"Honcho HTTP calls per 1,000 turns, {long_sessions} sessions x 100 turns",
-            f"{per_1k(long_calls, len(long_turns)):.0f}",
-            "—", "—", f"≤ {GOAL_CALLS_PER_1K}",
-            per_1k(long_calls, len(long_turns)) <= GOAL_CALLS_PER_1K,
+            f"Honcho HTTP calls per 1,000 turns, {long_sessions} sessions x 100 turns "
+            "(cold / steady)",
+            f"{per_1k(long_calls, len(long_turns)):.1f} / "
+            f"{per_1k(long_more_calls, len(long_more)):.1f}",
+            "1 call a turn: 1000", "—", f"≤ {GOAL_CALLS_PER_1K} (steady)",
+            per_1k(long_more_calls, len(long_more)) <= GOAL_CALLS_PER_1K,
         ),
     ]
     report(results, args.json)

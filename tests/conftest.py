@@ -1,11 +1,16 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from hermes_async_memory import MemoryPipeline, Settings
+
+from .fake_honcho import FakeHoncho
+from .processes import ROOT, Spawn, Worker, child_env
 
 
 @pytest.fixture
@@ -17,3 +22,45 @@ def settings(tmp_path: Path) -> Settings:
 async def mem(settings: Settings) -> AsyncIterator[MemoryPipeline]:
     async with MemoryPipeline(settings) as pipeline:
         yield pipeline
+
+
+@pytest.fixture
+async def spawn() -> AsyncIterator[Spawn]:
+    """Start worker subprocesses; any still running at the end of the test is killed."""
+    started: list[asyncio.subprocess.Process] = []
+
+    async def start(*args: str) -> Worker:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, *args, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, env=child_env(), cwd=ROOT,
+        )
+        started.append(proc)
+        return Worker(proc)
+
+    yield start
+    for proc in started:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.fixture(scope="module")
+def fake_server() -> Iterator[FakeHoncho]:
+    """A Honcho-compatible server on 127.0.0.1 (tests/fake_honcho.py), one per test module."""
+    fake = FakeHoncho()
+    fake.start()
+    try:
+        yield fake
+    finally:
+        fake.stop()
+
+
+@pytest.fixture
+def fake(fake_server: FakeHoncho) -> Iterator[FakeHoncho]:
+    """The module's Honcho server, reset, up, and with no API key required."""
+    fake_server.api_key = None
+    fake_server.reset()
+    if not fake_server.is_up:
+        fake_server.up()
+    yield fake_server
+    fake_server.release_hangs()

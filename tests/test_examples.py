@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .test_worker import ROOT, child_env
+from .processes import ROOT, child_env
 
 RUN_TIMEOUT_S = 180.0
 

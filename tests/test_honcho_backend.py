@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -34,26 +34,6 @@ SECRET = "hk-test-SECRET-do-not-log-4242"
 
 
 # -- fixtures ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[FakeHoncho]:
-    fake = FakeHoncho()
-    fake.start()
-    try:
-        yield fake
-    finally:
-        fake.stop()
-
-
-@pytest.fixture
-def fake(fake_server: FakeHoncho) -> Iterator[FakeHoncho]:
-    fake_server.api_key = None
-    fake_server.reset()
-    if not fake_server.is_up:
-        fake_server.up()
-    yield fake_server
-    fake_server.release_hangs()
 
 
 class Sleeps:

@@ -8,12 +8,11 @@ time out after the server committed, an outage, or a message the server refuses.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import anyio
-import pytest
 
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.backends import HonchoBackend, HonchoConfig
@@ -25,25 +24,6 @@ from .helpers import count_rows
 WORKSPACE = "pipeline-ws"
 WAIT_S = 60.0
 OUTAGE_S = 30.0  # the scenario: the server is down this long
-
-
-@pytest.fixture(scope="module")
-def fake_server() -> Iterator[FakeHoncho]:
-    fake = FakeHoncho()
-    fake.start()
-    try:
-        yield fake
-    finally:
-        fake.stop()
-
-
-@pytest.fixture
-def fake(fake_server: FakeHoncho) -> Iterator[FakeHoncho]:
-    fake_server.reset()
-    if not fake_server.is_up:
-        fake_server.up()
-    yield fake_server
-    fake_server.release_hangs()
 
 
 def honcho_config(fake: FakeHoncho, **changes: Any) -> HonchoConfig:

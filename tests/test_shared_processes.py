@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 
 from .helpers import stored_turns
-from .test_worker import Spawn, Worker, spawn  # noqa: F401 - spawn is the fixture
+from .processes import Spawn, Worker
 
 PRODUCERS = 3
 TURNS = 1500  # per producer
@@ -111,7 +111,7 @@ def count(db: Path, sql: str) -> int:
 
 
 async def test_three_producers_one_worker_killed_mid_batch_lose_nothing(
-    spawn: Spawn, tmp_path: Path  # noqa: F811 - the fixture
+    spawn: Spawn, tmp_path: Path
 ) -> None:
     db = tmp_path / "memory.db"
     (tmp_path / "producer.py").write_text(PRODUCER)

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import signal
-import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
-import anyio
 import pytest
 
 from hermes_async_memory import MemoryPipeline, Settings
 
-ROOT = Path(__file__).resolve().parents[1]
-# Generous: CI has two cores and may be busy. Nothing waits this long when things work.
-START_TIMEOUT_S = 60.0
-EXIT_TIMEOUT_S = 60.0
+from .processes import EXIT_TIMEOUT_S, Spawn, Worker
+
 # A second signal must end the process promptly, far below the drain it interrupts.
 PROMPT_EXIT_S = 10.0
 DRAIN_DEADLINE_S = 120.0
@@ -61,89 +52,6 @@ CHILD = textwrap.dedent(
     asyncio.run(run(Settings(db_path=db, shutdown_deadline_s=deadline_s), ready=ready))
     """
 )
-
-
-def child_env() -> dict[str, str]:
-    """The test's environment without HERMES_MEMORY_* settings, importing this tree."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_MEMORY_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
-class Worker:
-    """A worker subprocess; its JSON log lines on stderr are read as they arrive."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self.proc = proc
-        self.logs: list[dict[str, Any]] = []
-        self.stdout = ""
-
-    def events(self) -> list[str]:
-        return [str(rec.get("event")) for rec in self.logs]
-
-    def _keep(self, line: bytes) -> dict[str, Any]:
-        text = line.decode()
-        try:
-            rec = json.loads(text)
-        except ValueError:
-            rec = {"event": None, "raw": text}
-        self.logs.append(rec)
-        return rec  # type: ignore[no-any-return]
-
-    async def log_line(self, event: str, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
-        """Wait for the log line of ``event``."""
-        assert self.proc.stderr is not None
-        with anyio.fail_after(timeout_s):
-            while True:
-                line = await self.proc.stderr.readline()
-                if not line:
-                    raise AssertionError(f"the worker exited before {event!r}: {self.logs}")
-                if self._keep(line).get("event") == event:
-                    return self.logs[-1]
-
-    async def stdout_json(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
-        """Wait for the next line on stdout, as JSON."""
-        assert self.proc.stdout is not None
-        with anyio.fail_after(timeout_s):
-            line = await self.proc.stdout.readline()
-        assert line, f"the worker exited before reporting: {self.logs}"
-        return json.loads(line)  # type: ignore[no-any-return]
-
-    def signal(self, signum: int) -> None:
-        self.proc.send_signal(signum)
-
-    async def finish(self, timeout_s: float = EXIT_TIMEOUT_S) -> int:
-        """Wait for the exit; collect the rest of stdout and the logs. Returns the exit code."""
-        with anyio.fail_after(timeout_s):
-            out, err = await self.proc.communicate()
-        self.stdout += out.decode()
-        for line in err.splitlines():
-            self._keep(line)
-        assert self.proc.returncode is not None
-        return self.proc.returncode
-
-
-Spawn = Callable[..., Awaitable[Worker]]
-
-
-@pytest.fixture
-async def spawn() -> AsyncIterator[Spawn]:
-    """Start worker subprocesses; any still running at the end of the test is killed."""
-    started: list[asyncio.subprocess.Process] = []
-
-    async def start(*args: str) -> Worker:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, *args, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=child_env(), cwd=ROOT,
-        )
-        started.append(proc)
-        return Worker(proc)
-
-    yield start
-    for proc in started:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 async def start_child(spawn: Spawn, tmp_path: Path, db: Path, *, turns: int,

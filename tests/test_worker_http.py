@@ -6,7 +6,6 @@ import asyncio
 import json
 import signal
 import socket
-import sys
 import textwrap
 import urllib.error
 import urllib.request
@@ -23,7 +22,7 @@ from hermes_async_memory.metrics import PipelineObserver
 from workers.http import HttpServer, PrometheusObserver, start_http_server
 from workers.main import build_parser, http_from_args
 
-from .test_worker import ROOT, Spawn, Worker, child_env
+from .processes import Spawn
 
 HTTP_TIMEOUT_S = 10.0
 # Short, for the test that holds the loop on purpose: the server must give up on it.
@@ -293,26 +292,6 @@ def test_http_address_comes_from_the_option_else_the_environment() -> None:
 
 
 # -- the worker process ------------------------------------------------------------------
-
-
-@pytest.fixture
-async def spawn() -> AsyncIterator[Spawn]:
-    """Start worker subprocesses (as tests/test_worker.py does); kill any left at the end."""
-    started: list[asyncio.subprocess.Process] = []
-
-    async def start(*args: str) -> Worker:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, *args, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=child_env(), cwd=ROOT,
-        )
-        started.append(proc)
-        return Worker(proc)
-
-    yield start
-    for proc in started:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
 
 
 # Runs the worker with a ready hook that accepts one turn while another connection holds the
