@@ -20,7 +20,6 @@ _esc = encode_basestring_ascii  # a str as a JSON string literal, ASCII only (C)
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False)
 _NULL = "null"
 _DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":[%s],"d":%s}'
-_ROW = "[%s,%s,%s,%s,%s]"
 
 
 class Receipt(NamedTuple):
@@ -83,8 +82,11 @@ class Turn(NamedTuple):
         payload = _DOC % (
             _esc(key), _esc(session_id), _NULL if user_id is None else _esc(user_id),
             accepted_at, _esc(scope_tokens(user_id, session_id)),
-            ",".join([_ROW % tuple([_NULL if v is None else _esc(v) for v in m])
-                      for m in messages]),
+            ",".join([
+                f"[{_esc(m[0])},{_esc(m[1])},{_NULL if m[2] is None else _esc(m[2])},"
+                f"{_NULL if m[3] is None else _esc(m[3])},{_NULL if m[4] is None else _esc(m[4])}]"
+                for m in messages
+            ]),
             _NULL if metadata is None else _ENCODER.encode(metadata),
         )
         if "'" in payload:
