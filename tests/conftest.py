@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -11,6 +12,14 @@ from hermes_async_memory import MemoryPipeline, Settings
 
 from .fake_honcho import FakeHoncho
 from .processes import ROOT, Spawn, Worker, child_env
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No HERMES_MEMORY_* variable of the developer's shell reaches the code under test."""
+    for key in list(os.environ):
+        if key.startswith("HERMES_MEMORY_"):
+            monkeypatch.delenv(key)
 
 
 @pytest.fixture

@@ -19,10 +19,12 @@ START_TIMEOUT_S = 60.0
 EXIT_TIMEOUT_S = 60.0
 
 
-def child_env() -> dict[str, str]:
-    """The test's environment without HERMES_MEMORY_* settings, importing this tree."""
+def child_env(**extra: str) -> dict[str, str]:
+    """The test's environment without HERMES_MEMORY_* settings, importing this tree, plus
+    ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_MEMORY_")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
     return env
 
 

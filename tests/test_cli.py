@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,17 +10,12 @@ import pytest
 
 from hermes_async_memory import cli
 
+from .processes import child_env
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 60.0
 # The console script pip installs next to the interpreter (pyproject's [project.scripts]).
 CONSOLE_SCRIPT = Path(sys.executable).with_name("hermes-memory")
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_MEMORY_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
 
 
 def hermes_memory(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

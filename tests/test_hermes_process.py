@@ -19,6 +19,7 @@ from hermes_async_memory.hermes import config as hconfig
 from hermes_async_memory.hermes import runtime
 
 from .helpers import count_rows, stored_turns
+from .processes import child_env
 
 pytest.importorskip("agent.memory_manager")
 
@@ -31,18 +32,7 @@ NEVER_MS = "600000"
 SESSIONS = 7
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("HERMES_MEMORY_"):
-            monkeypatch.delenv(key)
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HERMES_MEMORY_")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    env.update(extra)
-    return env
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def write_child(tmp_path: Path, body: str) -> Path:

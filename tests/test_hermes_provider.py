@@ -42,11 +42,7 @@ NAME = hconfig.PROVIDER_NAME
 WAIT_S = 10.0
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in list(os.environ):
-        if key.startswith("HERMES_MEMORY_"):
-            monkeypatch.delenv(key)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 @pytest.fixture(autouse=True)
