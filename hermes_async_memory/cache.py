@@ -114,6 +114,19 @@ class RecallCache:
         entry.committed_mono = now
         entry.version += 1
 
+    def __contains__(self, session_id: object) -> bool:
+        return session_id in self._entries
+
+    def warm(self, session_id: str, turns: list[tuple[str, str | None, str, str]],
+             now: float) -> bool:
+        """Seed a session the cache does not hold with its stored recent turns (oldest
+        first: key, user id, user text, assistant text). False if it holds it by now."""
+        if session_id in self._entries or not turns:
+            return False
+        for key, user_id, user_text, assistant_text in turns:
+            self.note_commit(session_id, user_id, key, user_text, assistant_text, now)
+        return True
+
     def set_recall(self, session_id: str, user_id: str | None, query: str, block: str,
                    *, source: str = "local", fallback: bool = False) -> None:
         """A recall's block for the session's next prefetch.

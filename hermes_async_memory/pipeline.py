@@ -183,6 +183,8 @@ class MemoryPipeline:
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._waiter_ids = itertools.count()
         self._pending_recalls: dict[str, tuple[str, str | None, int]] = {}
+        self._warming: set[str] = set()
+        self._warm_tasks: set[asyncio.Future[None]] = set()
         self._inflight: dict[tuple[str, tuple[str, ...]], asyncio.Future[_Recalled]] = {}
         self._replica_work: asyncio.Event | None = None
         self._meter = Meter()
@@ -193,7 +195,7 @@ class MemoryPipeline:
             "commit_retries": 0, "dead_letters": 0, "sanitized": 0, "replica_errors": 0,
             "replicated": 0, "replica_dead": 0, "replica_unavailable": 0, "inbox_committed": 0,
             "leases_lost": 0, "leases_reclaimed": 0,
-            "recalls_served": 0,
+            "recalls_served": 0, "sessions_warmed": 0,
         }
 
     # -- life cycle --------------------------------------------------------------------
@@ -443,6 +445,51 @@ class MemoryPipeline:
         else:
             assert self._loop is not None
             self._loop.call_soon_threadsafe(self._queue_recall, query, session_id, user_id)
+
+    def warm(self, session_id: str, *, user_id: str | None = None) -> None:
+        """Load a session's stored recent turns into the prefetch cache, in the background,
+        if the cache does not hold it (a session resumed after a restart, or in another
+        process). Never waits; any thread. A queued recall does this too.
+
+        Raises:
+            InvalidTurnError: an id is not a non-empty string.
+            PipelineClosedError: the pipeline is not open.
+        """
+        if self._state != _OPEN:
+            raise PipelineClosedError(f"the pipeline is {self._state}")
+        _check_clean_id("session_id", session_id)
+        if user_id is not None:
+            _check_clean_id("user_id", user_id)
+        if session_id in self._cache:
+            return
+        assert self._loop is not None
+        if threading.get_ident() == self._loop_thread:
+            self._start_warm(session_id)
+        else:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                self._loop.call_soon_threadsafe(self._start_warm, session_id)
+
+    def _start_warm(self, session_id: str) -> None:
+        if session_id in self._warming or session_id in self._cache:
+            return
+        self._warming.add(session_id)
+        task = asyncio.ensure_future(self._warm(session_id))
+        self._warm_tasks.add(task)  # the loop keeps only a weak reference
+
+        def done(t: asyncio.Future[None]) -> None:
+            self._warming.discard(session_id)
+            self._warm_tasks.discard(t)
+
+        task.add_done_callback(done)
+
+    async def _warm(self, session_id: str) -> None:
+        try:
+            turns = await self.store.recent_turns(session_id, max(1, self.settings.recent_turns))
+        except Exception as exc:  # the per-job boundary: a cold cache is not an error
+            log.warning("cache_warm_failed", session_id=session_id, error=str(exc))
+            return
+        if self._cache.warm(session_id, turns, self._clock()):
+            self._counts["sessions_warmed"] += 1
 
     def _queue_recall(self, query: str, session_id: str, user_id: str | None) -> None:
         pending = self._pending_recalls
@@ -974,6 +1021,8 @@ class MemoryPipeline:
             if self._processed < target:
                 with anyio.move_on_after(_RECALL_BARRIER_S):
                     await self._wait_processed(target)
+            if session_id not in self._cache and session_id not in self._warming:
+                await self._warm(session_id)  # a resumed session: its own turns first
             user_id = user_id or self._cache.user_of(session_id)
             if self._role == "producer":
                 try:  # the worker runs it; the results poller brings the block back

@@ -860,6 +860,25 @@ class SqliteStore:
             out.append(msg)
         return out
 
+    async def recent_turns(self, session_id: str, n: int
+                           ) -> list[tuple[str, str | None, str, str]]:
+        """The session's last ``n`` stored turns, oldest first:
+        (turn key, user id, first user text, last non-empty assistant text)."""
+        async with self.reader() as db, db.execute(
+            "SELECT turn_key, user_id, role, content FROM messages WHERE session_id = ? AND "
+            "turn_key IN (SELECT turn_key FROM messages WHERE session_id = ? AND ordinal = 0 "
+            "ORDER BY id DESC LIMIT ?) ORDER BY id", (session_id, session_id, n),
+        ) as cur:
+            rows = await cur.fetchall()
+        turns: dict[str, list[Any]] = {}
+        for key, user_id, role, content in rows:
+            turn = turns.setdefault(key, [key, user_id, "", ""])
+            if role == "user" and not turn[2]:
+                turn[2] = content or ""
+            elif role == "assistant" and content:
+                turn[3] = content
+        return [(t[0], t[1], t[2], t[3]) for t in turns.values()]
+
     async def get_session(self, session_id: str) -> dict[str, Any] | None:
         async with self.reader() as db:
             db.row_factory = aiosqlite.Row

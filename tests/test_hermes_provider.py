@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -529,3 +530,21 @@ def test_the_provider_imports_without_hermes_agent() -> None:
         "assert P().name == 'hermes_async_memory'\n"
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_a_resumed_session_has_its_recent_turns_before_its_first_reply(home: Path) -> None:
+    first = HermesMemoryProvider()
+    first.initialize("resume-me", hermes_home=str(home), platform="telegram", user_id="u1")
+    first.sync_turn("my parcel number is PX-5521", "noted the parcel number")
+    first.shutdown()
+
+    again = HermesMemoryProvider()  # a new process would start just like this
+    again.initialize("resume-me", hermes_home=str(home), platform="telegram", user_id="u1")
+    try:
+        deadline = time.monotonic() + WAIT_S  # the warm-up runs on the loop thread: poll
+        while "PX-5521" not in again.prefetch("what was my parcel number"):
+            assert time.monotonic() < deadline, "the resumed session's turns never arrived"
+            time.sleep(0.01)
+        assert "noted the parcel number" in again.prefetch("")
+    finally:
+        again.shutdown()

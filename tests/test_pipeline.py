@@ -358,3 +358,28 @@ async def test_flush_and_close_cut_a_long_group_commit_window_short(tmp_path: Pa
         with anyio.fail_after(10):
             await mem.aclose()
     assert mem.stats().committed_turns == 2
+
+
+async def test_a_resumed_session_gets_its_stored_recent_turns_back(tmp_path: Path) -> None:
+    settings = Settings(db_path=tmp_path / "memory.db", recent_turns=2)
+    async with MemoryPipeline(settings) as first:
+        for n in range(3):
+            first.sync_turn(f"question {n} about the boiler", f"answer {n}",
+                            session_id="resumed", user_id="ada")
+    async with MemoryPipeline(settings) as second:  # a new process: the cache is empty
+        assert second.prefetch("", session_id="resumed") == ""
+        second.warm("resumed", user_id="ada")
+        with anyio.fail_after(10):  # the warm-up has no event to await: poll the cache
+            while "boiler" not in second.prefetch("", session_id="resumed"):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        block = second.prefetch("", session_id="resumed")
+        assert "question 1" in block and "question 2" in block and "answer 2" in block
+        assert "question 0" not in block, "only the last recent_turns turns"
+        status = second.prefetch_status("resumed")
+        assert status.turns_committed == 2
+        # A queued recall for another resumed session warms it first, too.
+        second.queue_prefetch("boiler", session_id="other", user_id="ada")
+        with anyio.fail_after(10):
+            while second.stats().recalls_run == 0:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        assert "boiler" in second.prefetch("", session_id="other")

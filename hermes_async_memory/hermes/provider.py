@@ -184,6 +184,7 @@ class HermesMemoryProvider(_ProviderBase):
                 self._remember_parent(session_id, parent)
             if self._runtime is None:
                 self._runtime = acquire(settings, contextvars.copy_context())
+        self._warm(session_id)
         log.info("hermes_provider_initialized", session_id=session_id, platform=platform,
                  db=str(settings.db_path), writes=self._writes)
 
@@ -325,6 +326,7 @@ class HermesMemoryProvider(_ProviderBase):
             self._remember_parent(new_session_id, parent_session_id)
         if new_session_id:
             self._session_id = new_session_id
+            self._warm(new_session_id)
 
     def on_pre_compress(self, messages: list[dict[str, Any]]) -> str:
         """What to keep through a context compression: the memory recalled for the user
@@ -435,6 +437,18 @@ class HermesMemoryProvider(_ProviderBase):
         return self._require_runtime().call(lambda p: p.get_messages(session_id), timeout_s)
 
     # -- internals ---------------------------------------------------------------------
+
+    def _warm(self, session_id: str) -> None:
+        """A resumed session's stored recent turns into the cache, in the background, so
+        its first prefetch already has them."""
+        runtime = self._runtime
+        pipeline = runtime.pipeline if runtime is not None else None
+        if pipeline is None or not session_id:
+            return
+        try:
+            pipeline.warm(session_id, user_id=self._user_id)
+        except HermesMemoryError as exc:  # a cold cache is not worth failing a turn for
+            log.debug("hermes_warm_skipped", session_id=session_id, error=str(exc))
 
     def _require_runtime(self) -> Runtime:
         runtime = self._runtime
