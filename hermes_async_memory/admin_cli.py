@@ -401,6 +401,13 @@ def _status(args: argparse.Namespace) -> int:
         if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'inbox'").fetchone():
             inbox_turns, inbox_oldest = conn.execute(
                 "SELECT count(*), min(accepted_at) FROM inbox").fetchone()
+        # Each replica backend's own outbox: turns it does not have yet, and its dead letters.
+        replicas: dict[str, dict[str, int]] = {}
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = 'replica_outbox'").fetchone():
+            for backend, status, n in conn.execute(
+                    "SELECT backend, status, count(*) FROM replica_outbox "
+                    "GROUP BY backend, status ORDER BY backend"):
+                replicas.setdefault(backend, {"pending": 0, "dead": 0})[status] = n
         conn.execute("COMMIT")
     now = time.time()
     pending: list[_Record] = []
@@ -422,6 +429,7 @@ def _status(args: argparse.Namespace) -> int:
         lag_s=round(max(0.0, now - min(accepted)), 3) if accepted else None,
         dead_letters=by_status.get("dead", 0),
         outbox_table=by_status,
+        replicas=replicas,
     )
     if args.json:
         _print_json(report)
@@ -450,6 +458,9 @@ def _print_status(r: dict[str, Any]) -> None:
                  else f"{_age(r['lag_s'])} (the oldest turn not committed yet)"))
     rows.append(("dead letters", str(r["dead_letters"])))
     rows.append(("outbox table", table))
+    for backend, counts in r["replicas"].items():
+        rows.append((f"replica {backend}", f"{counts['pending']} turns to send, "
+                                           f"{counts['dead']} dead letters"))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name.ljust(width)}  {value}")

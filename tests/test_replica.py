@@ -225,3 +225,18 @@ async def test_a_backend_dead_letter_is_listed_and_replayed_from_the_cli(
         assert backend.maybe_sent_calls >= 1, "a replay first asks what the backend holds"
         assert cli.main(["dead-letters", "replay", "--backend", "scripted", "nope",
                          "--db", db]) == 1
+
+
+async def test_status_shows_what_a_backend_still_lacks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    backend = ScriptedBackend()
+    backend.down = True
+    db = str(tmp_path / "memory.db")
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        for i in range(7):
+            mem.sync_turn(f"q{i}", "a", session_id="s")
+        await mem.flush()
+        capsys.readouterr()
+        assert cli.main(["status", "--db", db]) == 0
+        assert "replica scripted  7 turns to send, 0 dead letters" in capsys.readouterr().out
