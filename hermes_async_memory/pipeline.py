@@ -391,11 +391,7 @@ class MemoryPipeline:
             PipelineClosedError: the pipeline is not open.
             StoreError: the outbox cannot grow (disk full).
         """
-        if self._state != _OPEN:
-            raise PipelineClosedError(f"the pipeline is {self._state}")
-        _check_clean_id("session_id", session_id)
-        if user_id is not None:
-            _check_clean_id("user_id", user_id)
+        self._check_request(session_id, user_id)
         if metadata is not None and not isinstance(metadata, Mapping):
             raise InvalidTurnError("metadata must be a mapping")
         rows = turn_messages(user_content, assistant_content, messages)
@@ -431,22 +427,14 @@ class MemoryPipeline:
             InvalidTurnError: an id is not a non-empty string.
             PipelineClosedError: the pipeline is not open.
         """
-        if self._state != _OPEN:
-            raise PipelineClosedError(f"the pipeline is {self._state}")
-        _check_clean_id("session_id", session_id)
-        if user_id is not None:
-            _check_clean_id("user_id", user_id)
+        self._check_request(session_id, user_id)
         if not isinstance(query, str):
             raise InvalidTurnError(f"query must be a string, got {type(query).__name__}")
         if not query.strip():
             return
-        if threading.get_ident() == self._loop_thread:
-            self._queue_recall(query, session_id, user_id)
-        else:
-            assert self._loop is not None
-            self._loop.call_soon_threadsafe(self._queue_recall, query, session_id, user_id)
+        self._on_loop(self._queue_recall, query, session_id, user_id)
 
-    def warm(self, session_id: str, *, user_id: str | None = None) -> None:
+    def warm(self, session_id: str) -> None:
         """Load a session's stored recent turns into the prefetch cache, in the background,
         if the cache does not hold it (a session resumed after a restart, or in another
         process). Never waits; any thread. A queued recall does this too.
@@ -455,19 +443,25 @@ class MemoryPipeline:
             InvalidTurnError: an id is not a non-empty string.
             PipelineClosedError: the pipeline is not open.
         """
+        self._check_request(session_id, None)
+        if session_id not in self._cache:
+            self._on_loop(self._start_warm, session_id)
+
+    def _check_request(self, session_id: str, user_id: str | None) -> None:
         if self._state != _OPEN:
             raise PipelineClosedError(f"the pipeline is {self._state}")
         _check_clean_id("session_id", session_id)
         if user_id is not None:
             _check_clean_id("user_id", user_id)
-        if session_id in self._cache:
+
+    def _on_loop(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the pipeline's loop: now if this is its thread, else soon."""
+        if threading.get_ident() == self._loop_thread:
+            fn(*args)
             return
         assert self._loop is not None
-        if threading.get_ident() == self._loop_thread:
-            self._start_warm(session_id)
-        else:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                self._loop.call_soon_threadsafe(self._start_warm, session_id)
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            self._loop.call_soon_threadsafe(fn, *args)
 
     def _start_warm(self, session_id: str) -> None:
         if session_id in self._warming or session_id in self._cache:

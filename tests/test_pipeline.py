@@ -368,7 +368,7 @@ async def test_a_resumed_session_gets_its_stored_recent_turns_back(tmp_path: Pat
                             session_id="resumed", user_id="ada")
     async with MemoryPipeline(settings) as second:  # a new process: the cache is empty
         assert second.prefetch("", session_id="resumed") == ""
-        second.warm("resumed", user_id="ada")
+        second.warm("resumed")
         with anyio.fail_after(10):  # the warm-up has no event to await: poll the cache
             while "boiler" not in second.prefetch("", session_id="resumed"):  # noqa: ASYNC110
                 await anyio.sleep(0.01)

@@ -446,7 +446,7 @@ class HermesMemoryProvider(_ProviderBase):
         if pipeline is None or not session_id:
             return
         try:
-            pipeline.warm(session_id, user_id=self._user_id)
+            pipeline.warm(session_id)
         except HermesMemoryError as exc:  # a cold cache is not worth failing a turn for
             log.debug("hermes_warm_skipped", session_id=session_id, error=str(exc))
 
