@@ -788,6 +788,9 @@ async def _replay(settings: Settings, keys: list[str]) -> tuple[list[str], dict[
 
     store = SqliteStore(settings.db_path, readers=0, busy_timeout_ms=settings.busy_timeout_ms,
                         source=settings.source)
+    if settings.backend != "null":
+        # A replayed turn also goes to the replica backend the worker runs with.
+        store.replica = settings.backend
     await store.open()
     try:
         return await store.replay_dead_letters(keys)

@@ -35,7 +35,7 @@ class PrefetchStatus:
 @dataclass(slots=True)
 class _Entry:
     user_id: str | None
-    recent: deque[tuple[str, str]]
+    recent: deque[tuple[str, str, str]]  # (turn key, user text, assistant text)
     last_turn_key: str | None = None
     turns_committed: int = 0
     committed_mono: float | None = None
@@ -45,6 +45,7 @@ class _Entry:
     recall_source: str = "local"
     recall_stale: bool = False
     version: int = 0
+    warmed: bool = False  # its stored turns from before this process were looked up
     rendered: tuple[int, str] | None = field(default=None)
 
 
@@ -108,7 +109,7 @@ class RecallCache:
                     user_text: str, assistant_text: str, now: float) -> None:
         entry = self._touch(session_id, user_id)
         limit = self._recent_chars
-        entry.recent.append((_clip(user_text, limit), _clip(assistant_text, limit)))
+        entry.recent.append((key, _clip(user_text, limit), _clip(assistant_text, limit)))
         entry.last_turn_key = key
         entry.turns_committed += 1
         entry.committed_mono = now
@@ -117,14 +118,38 @@ class RecallCache:
     def __contains__(self, session_id: object) -> bool:
         return session_id in self._entries
 
+    def needs_warm(self, session_id: str) -> bool:
+        """Whether the session's stored turns from before this process were never looked up."""
+        entry = self._entries.get(session_id)
+        return entry is None or not entry.warmed
+
     def warm(self, session_id: str, turns: list[tuple[str, str | None, str, str]],
              now: float) -> bool:
-        """Seed a session the cache does not hold with its stored recent turns (oldest
-        first: key, user id, user text, assistant text). False if it holds it by now."""
-        if session_id in self._entries or not turns:
+        """Merge a session's stored recent turns (oldest first: key, user id, user text,
+        assistant text) in front of what this process committed for it since. Returns
+        whether the session's block changed."""
+        entry = self._entries.get(session_id)
+        if entry is None:
+            if not turns:
+                return False
+            entry = self._touch(session_id, turns[-1][1])
+        if entry.warmed:
             return False
-        for key, user_id, user_text, assistant_text in turns:
-            self.note_commit(session_id, user_id, key, user_text, assistant_text, now)
+        entry.warmed = True
+        have = {item[0] for item in entry.recent}
+        older = [(key, user, assistant) for key, _, user, assistant in turns if key not in have]
+        if not older:
+            return False
+        limit = self._recent_chars
+        merged = [(k, _clip(u, limit), _clip(a, limit)) for k, u, a in older]
+        merged += list(entry.recent)
+        entry.recent.clear()
+        entry.recent.extend(merged)  # the deque keeps the newest recent_turns
+        if entry.last_turn_key is None:
+            entry.last_turn_key = older[-1][0]
+            entry.committed_mono = now
+        entry.turns_committed += len(older)
+        entry.version += 1
         return True
 
     def set_recall(self, session_id: str, user_id: str | None, query: str, block: str,
@@ -165,7 +190,7 @@ class RecallCache:
         parts = []
         if self._recent_turns and entry.recent:
             lines = ["Recent turns in this session:"]
-            for user, assistant in tuple(entry.recent):
+            for _, user, assistant in tuple(entry.recent):
                 lines.append(f"- user: {user}")
                 if assistant:
                     lines.append(f"- assistant: {assistant}")

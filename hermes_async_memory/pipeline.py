@@ -107,6 +107,7 @@ _REPLICA_POLL_S = 1.0
 _MAINTAIN_EVERY_S = 1.0
 _PRODUCER_SLOTS = 64
 _LEASE_SWEEP_S = 1.0  # how often a worker looks for claims of workers that are gone
+_ADOPT_EVERY_S = 30.0  # how often a worker hands in what gone producers left in their slots
 
 
 class MemoryPipeline:
@@ -184,8 +185,10 @@ class MemoryPipeline:
         self._waiter_ids = itertools.count()
         self._pending_recalls: dict[str, tuple[str, str | None, int]] = {}
         self._warming: set[str] = set()
+        # A producer's recalls the worker has not answered yet: session -> when asked.
+        self._requested: dict[str, float] = {}
         self._warm_tasks: set[asyncio.Future[None]] = set()
-        self._inflight: dict[tuple[str, tuple[str, ...]], asyncio.Future[_Recalled]] = {}
+        self._inflight: dict[tuple[str, tuple[str, ...], str], asyncio.Future[_Recalled]] = {}
         self._replica_work: asyncio.Event | None = None
         self._meter = Meter()
         self._rows_since_vocab = 0
@@ -234,6 +237,7 @@ class MemoryPipeline:
             first_segment = await self.store.next_segment()
             if self._role == "producer":
                 self._recovered = self._open_producer_outbox(first_segment)
+                await self._adopt_free_slots()
                 self._recall_version = await self.store.recall_version()
             else:
                 self._recovered = self._outbox.open(first_segment)
@@ -260,15 +264,58 @@ class MemoryPipeline:
             duration_ms=round((time.perf_counter() - started) * 1000, 2),
         )
 
+    def _slot_outbox(self, slot: int) -> Outbox:
+        s = self.settings
+        return Outbox(
+            s.producer_outbox_dir(slot), segment_bytes=s.outbox_segment_bytes,
+            max_queued_turns=s.max_queued_turns, max_queued_bytes=s.max_queued_bytes,
+            overflow=s.overflow, clock=self._clock,
+        )
+
+    async def _adopt_free_slots(self) -> None:
+        """Hand in what producers that are gone left in their slots.
+
+        A restarted producer takes the lowest free slot and commits what was left there; a
+        slot nobody restarts into would keep its acknowledged turns for ever. So a producer
+        at start, and a worker now and then, read every free slot's turns into the inbox
+        (skipping what the store already holds or has waiting) and let the slot go.
+        """
+        s = self.settings
+        own = getattr(self._outbox, "_dir", None)
+        first_segment = await self.store.next_segment()
+        for slot in range(_PRODUCER_SLOTS):
+            directory = s.producer_outbox_dir(slot)
+            if directory == own or not directory.is_dir():
+                continue
+            outbox = self._slot_outbox(slot)
+            try:
+                found = outbox.open(first_segment)
+            except StoreError:
+                continue  # a live producer holds it (or it is unusable: its owner's concern)
+            handed = 0
+            try:
+                while found:
+                    step = outbox.refill(_CHUNK * 10, s.max_queued_bytes)
+                    if not step.turns:
+                        break
+                    held = await self._retry(lambda: self.store.done_keys(
+                        (t.key for t in step.turns), waiting=True))  # noqa: B023
+                    todo = [t for t in step.turns if t.key not in held]
+                    if todo:
+                        batch = Batch.of(todo, self.store.source)
+                        await self._retry(lambda: self.store.forward_batch(batch))  # noqa: B023
+                        handed += len(todo)
+                    outbox.mark_done(step.turns)
+            finally:
+                outbox.close()
+            if handed:
+                log.warning("producer_slot_adopted", slot=slot, turns=handed)
+
     def _open_producer_outbox(self, first_segment: int) -> int:
         """Take the first free producer slot; what a dead producer left there is ours now."""
         s = self.settings
         for slot in range(_PRODUCER_SLOTS):
-            outbox = Outbox(
-                s.producer_outbox_dir(slot), segment_bytes=s.outbox_segment_bytes,
-                max_queued_turns=s.max_queued_turns, max_queued_bytes=s.max_queued_bytes,
-                overflow=s.overflow, clock=self._clock,
-            )
+            outbox = self._slot_outbox(slot)
             try:
                 recovered = outbox.open(first_segment)
             except StoreError as exc:
@@ -336,9 +383,13 @@ class MemoryPipeline:
                 self._rush.set()
                 with anyio.move_on_after(deadline):
                     await self._wait_processed(target)
-                await self._stop_workers()
-                left = self._target() - self._processed
-                await self._close_resources()
+                try:
+                    await self._stop_workers()
+                finally:
+                    # Even when the workers died of an error: the connections' threads are
+                    # not daemons, so a store left open would keep the process alive.
+                    left = self._target() - self._processed
+                    await self._close_resources()
                 log.info(
                     "pipeline_closed", committed=self._processed, left_in_outbox=left,
                     duration_ms=round((time.perf_counter() - started) * 1000, 2),
@@ -444,7 +495,7 @@ class MemoryPipeline:
             PipelineClosedError: the pipeline is not open.
         """
         self._check_request(session_id, None)
-        if session_id not in self._cache:
+        if self._cache.needs_warm(session_id):
             self._on_loop(self._start_warm, session_id)
 
     def _check_request(self, session_id: str, user_id: str | None) -> None:
@@ -464,7 +515,7 @@ class MemoryPipeline:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def _start_warm(self, session_id: str) -> None:
-        if session_id in self._warming or session_id in self._cache:
+        if session_id in self._warming or not self._cache.needs_warm(session_id):
             return
         self._warming.add(session_id)
         task = asyncio.ensure_future(self._warm(session_id))
@@ -641,8 +692,12 @@ class MemoryPipeline:
                 if not self._outbox.has_work():
                     if self._writer_stop:
                         return
-                    if self._role == "worker" and await self._drain_inbox():
-                        continue
+                    if self._role == "worker":
+                        try:
+                            if await self._drain_inbox():
+                                continue
+                        except _Stopping:
+                            return
                     self._work.clear()
                     if not self._outbox.has_work() and not self._writer_stop:
                         if self._role == "worker":  # the inbox has no wake-up: poll it
@@ -716,7 +771,7 @@ class MemoryPipeline:
         for inbox_id, key, session_id, accepted_at, record in rows:
             try:
                 turn = Turn.decode(record.encode("utf-8"), accepted_mono=now)
-            except (ValueError, KeyError, TypeError, UnicodeError) as exc:
+            except Exception as exc:  # the per-record boundary: a bad record is not fatal
                 # Not a record a producer of ours wrote: keep it as a dead letter, go on.
                 stub = Turn.unpack((key, inbox_id, session_id, None, accepted_at, "", 0, 0, now,
                                     0, 0, "", "", None, None, None, 0, 0, False))
@@ -860,6 +915,10 @@ class MemoryPipeline:
             except sqlite3.OperationalError:
                 raise  # not this turn's fault after all; the caller's loop retries
             except Exception as again:  # the per-job boundary
+                if inbox and "held" in str(again):
+                    self._counts["leases_lost"] += 1  # another worker has the turn now
+                    log.warning("inbox_lease_lost", turns=1)
+                    return
                 error = f"{type(again).__name__}: {again}"
                 continue
             await self._settle(turns, committed=True, inbox=inbox)
@@ -936,37 +995,52 @@ class MemoryPipeline:
         name = self.store.replica
         if name is None:
             return
-        # Rows an earlier run left may have reached the backend before it stopped.
-        unsure_upto = await self.store.replica_last_id(name)
+        unsure_upto: int | None = None
         failures_in_row = 0
         while True:
-            rows = await self.store.replica_pending(name, _REPLICA_SESSIONS, _REPLICA_TURNS)
-            if not rows:
-                self._replica_work.clear()
-                with anyio.move_on_after(_REPLICA_POLL_S):  # a replayed dead letter: no event
-                    await self._replica_work.wait()
-                continue
-            turns = await self.store.replica_turns(rows)
-            maybe_sent = any(r.attempts or r.id <= unsure_upto for r in rows)
-            wait = 0.0
             try:
-                await self.backend.write(turns, maybe_sent=maybe_sent)
-            except BackendUnavailableError as exc:
-                failures_in_row += 1
-                self._counts["replica_unavailable"] += 1
-                wait = exc.retry_after_s or self._backoff(failures_in_row)
-                log.warning("replica_unavailable", backend=name, turns=len(rows),
-                            retry_in_s=round(wait, 3), error=str(exc))
-            except Exception as exc:  # the per-job boundary: every failure is kept
-                failures_in_row += 1
-                wait = await self._replica_failed(name, rows, exc)
-            else:
-                failures_in_row = 0
-                ids = [r.id for r in rows]
-                await self._retry(lambda: self.store.replica_done(ids))  # noqa: B023
-                self._counts["replicated"] += len(rows)
+                if unsure_upto is None:
+                    # Rows an earlier run left may have reached the backend before it stopped.
+                    unsure_upto = await self.store.replica_last_id(name)
+                rows = await self.store.replica_pending(name, _REPLICA_SESSIONS, _REPLICA_TURNS)
+                if not rows:
+                    self._replica_work.clear()
+                    with anyio.move_on_after(_REPLICA_POLL_S):  # a replayed dead letter
+                        await self._replica_work.wait()
+                    continue
+                turns = await self.store.replica_turns(rows)
+                # Tried before (even while the backend was unavailable) or left by an earlier
+                # run: the backend first checks what it already holds.
+                maybe_sent = any(r.tried or r.id <= unsure_upto for r in rows)
+                wait = await self._replicate(name, rows, turns, maybe_sent, failures_in_row)
+            except _Stopping:
+                return  # shutdown while the store is busy: the rows stay for the next run
+            except Exception as exc:  # the per-job boundary: the store failed; try again
+                wait = self._backoff(failures_in_row + 1)
+                log.warning("replica_store_failed", backend=name, error=str(exc))
+            failures_in_row = failures_in_row + 1 if wait else 0
             if wait:
                 await anyio.sleep(wait)
+
+    async def _replicate(self, name: str, rows: Sequence[ReplicaRow], turns: list[Turn],
+                         maybe_sent: bool, failures_in_row: int) -> float:
+        """One backend write and its bookkeeping; returns how long to wait before the next."""
+        try:
+            await self.backend.write(turns, maybe_sent=maybe_sent)
+        except BackendUnavailableError as exc:
+            self._counts["replica_unavailable"] += 1
+            marks = [(r.id, str(exc), False) for r in rows]  # tried, and counted as nothing
+            await self._retry(lambda: self.store.replica_failed(marks, counted=False))
+            wait = exc.retry_after_s or self._backoff(failures_in_row + 1)
+            log.warning("replica_unavailable", backend=name, turns=len(rows),
+                        retry_in_s=round(wait, 3), error=str(exc))
+            return wait
+        except Exception as exc:  # the per-job boundary: every failure is kept
+            return await self._replica_failed(name, rows, exc)
+        ids = [r.id for r in rows]
+        await self._retry(lambda: self.store.replica_done(ids))
+        self._counts["replicated"] += len(rows)
+        return 0.0
 
     async def _replica_failed(self, name: str, rows: Sequence[ReplicaRow],
                               exc: Exception) -> float:
@@ -1015,12 +1089,15 @@ class MemoryPipeline:
             if self._processed < target:
                 with anyio.move_on_after(_RECALL_BARRIER_S):
                     await self._wait_processed(target)
-            if session_id not in self._cache and session_id not in self._warming:
+            if self._cache.needs_warm(session_id) and session_id not in self._warming:
                 await self._warm(session_id)  # a resumed session: its own turns first
             user_id = user_id or self._cache.user_of(session_id)
             if self._role == "producer":
                 try:  # the worker runs it; the results poller brings the block back
+                    self._requested[session_id] = self._clock() or 1e-9  # before: no race
                     await self.store.request_recall(session_id, user_id, query)
+                    while len(self._requested) > self.settings.max_pending_recalls:
+                        self._requested.pop(next(iter(self._requested)))
                 except Exception as exc:  # the per-job boundary
                     self._counts["recall_errors"] += 1
                     log.warning("recall_request_failed", session_id=session_id, error=str(exc))
@@ -1038,7 +1115,8 @@ class MemoryPipeline:
                              ) -> _Recalled:
         scope = scope_token_for(user_id, session_id)
         terms = tuple(query_terms(query, self.store.frequent_terms, self.settings.recall_max_terms))
-        key = (scope, terms)
+        # One user's identical recalls share one search; a backend's recall is per session.
+        key = (scope, terms, session_id if self.backend.recalls else "")
         running = self._inflight.get(key)
         if running is not None:
             self._counts["recalls_shared"] += 1
@@ -1123,8 +1201,9 @@ class MemoryPipeline:
                         while await self.store.inbox_holds(after_id):  # noqa: ASYNC110
                             await anyio.sleep(poll)
                     recalled = await self._recall_shared(query, user_id, session_id)
-                    await self.store.put_recall_result(session_id, user_id, query,
-                                                       recalled.block)
+                    await self.store.put_recall_result(
+                        session_id, user_id, query, recalled.block, recalled.source,
+                        recalled.fallback)
                     self._counts["recalls_served"] += 1
                 except Exception as exc:  # the per-job boundary
                     self._counts["recall_errors"] += 1
@@ -1140,15 +1219,21 @@ class MemoryPipeline:
             except Exception as exc:  # the per-job boundary
                 log.warning("recall_results_unreadable", error=str(exc))
                 continue
-            for session_id, user_id, query, block, version in rows:
-                self._cache.set_recall(session_id, user_id, query, block)
+            for session_id, user_id, query, block, version, source, fallback in rows:
                 self._recall_version = version
+                # Only the sessions this gateway serves: another gateway's would crowd its
+                # cache out (and keep a resumed session from being warmed).
+                if self._requested.pop(session_id, 0.0) == 0.0 and session_id not in self._cache:
+                    continue
+                self._cache.set_recall(session_id, user_id, query, block, source=source,
+                                       fallback=fallback)
 
     # -- upkeep ------------------------------------------------------------------------
 
     async def _maintainer(self) -> None:
         """Off the accept path: the next outbox segment, frequent terms, old outbox keys."""
         last_pruned = 0
+        next_adoption = 0.0
         while True:
             await anyio.sleep(_MAINTAIN_EVERY_S)
             try:
@@ -1164,6 +1249,9 @@ class MemoryPipeline:
                     await self._refresh_vocab()
                 if self._role == "worker":
                     self._inbox_counts = await self.store.inbox_counts()
+                    if self._clock() >= next_adoption:
+                        next_adoption = self._clock() + _ADOPT_EVERY_S
+                        await self._adopt_free_slots()
                 if self.store.replica is not None:
                     self._replica_counts = await self.store.replica_counts(self.store.replica)
             except Exception as exc:  # the per-job boundary

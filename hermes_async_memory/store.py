@@ -114,7 +114,9 @@ CREATE TABLE IF NOT EXISTS recall_results (
     query TEXT NOT NULL,
     block TEXT NOT NULL,
     version INTEGER NOT NULL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    source TEXT NOT NULL DEFAULT 'local',
+    fallback INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS idx_recall_results_version ON recall_results(version);
 -- Each replica backend's own outbox: a row per committed turn, written in the turn's commit
@@ -136,6 +138,10 @@ CREATE INDEX IF NOT EXISTS idx_replica_outbox_open ON replica_outbox(backend, st
 CREATE INDEX IF NOT EXISTS idx_replica_outbox_session
     ON replica_outbox(backend, status, session_id, id);
 """
+_ADDED_COLUMNS = (
+    ("recall_results", "source", "TEXT NOT NULL DEFAULT 'local'"),
+    ("recall_results", "fallback", "INTEGER NOT NULL DEFAULT 0"),
+)
 # Set on the writer connection: a batch of inbox turns commits only while its lease holds.
 _LEASE_GUARD = """
 CREATE TEMP TABLE IF NOT EXISTS lease_guard (held INTEGER NOT NULL CHECK (held));
@@ -268,6 +274,7 @@ class ReplicaRow(NamedTuple):
     first_id: int
     n_messages: int
     attempts: int
+    tried: bool = False  # a write of it failed before (counted or not)
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,6 +398,7 @@ class SqliteStore:
         # Small autocommit writes beside the writer's batches (recall requests and results),
         # so they never land inside a batch's open transaction.
         self._aux: aiosqlite.Connection | None = None
+        self._aux_lock = asyncio.Lock()
         self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
         self._all_readers: list[aiosqlite.Connection] = []
         self.frequent_terms: frozenset[str] = frozenset()
@@ -427,6 +435,7 @@ class SqliteStore:
                 raise StoreError(
                     f"{self.path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
                 )
+            await self._add_missing_columns()
             await self._writer.commit()
             await self._writer.executescript(_LEASE_GUARD)
             for _ in range(self._readers_n):
@@ -436,6 +445,15 @@ class SqliteStore:
         except (sqlite3.Error, OSError) as exc:
             await self.aclose()
             raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+
+    async def _add_missing_columns(self) -> None:
+        """Columns added since a table was first created (CREATE IF NOT EXISTS keeps an
+        older table as it is)."""
+        for table, column, decl in _ADDED_COLUMNS:
+            async with self.writer.execute(f"PRAGMA table_info({table})") as cur:
+                have = {row[1] for row in await cur.fetchall()}
+            if column not in have:
+                await self.writer.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     async def _connect(self, *, readonly: bool = False) -> aiosqlite.Connection:
         conn = await aiosqlite.connect(self.path, isolation_level=None)
@@ -471,8 +489,9 @@ class SqliteStore:
         """The connection for small writes outside the writer's batches (opened on first use)."""
         if self._writer is None:
             raise StoreError("the store is not open")
-        if self._aux is None:
-            self._aux = await self._connect()
+        async with self._aux_lock:  # two first callers must not open two connections
+            if self._aux is None:
+                self._aux = await self._connect()
         return self._aux
 
     @property
@@ -533,11 +552,13 @@ class SqliteStore:
             # worker's lease on every one of them holds (else: IntegrityError, rolled back).
             ids = ",".join(str(int(i)) for i in batch.inbox_ids)
             owner = sql_literal(batch.lease_owner or "")
-            script.append(
+            # One statement per item: the NUL path below runs them one execute() each.
+            script += [
                 f"INSERT INTO temp.lease_guard (held) SELECT count(*) = {len(batch.inbox_ids)} "
-                f"FROM inbox WHERE id IN ({ids}) AND lease_owner = {owner};"
-                f"DELETE FROM temp.lease_guard; DELETE FROM inbox WHERE id IN ({ids});"
-            )
+                f"FROM inbox WHERE id IN ({ids}) AND lease_owner = {owner};",
+                "DELETE FROM temp.lease_guard;",
+                f"DELETE FROM inbox WHERE id IN ({ids});",
+            ]
         try:
             if batch.has_nul:  # rare: bind the rows one by one, NUL and all
                 await db.execute("BEGIN IMMEDIATE")
@@ -690,26 +711,31 @@ class SqliteStore:
             return await cur.fetchone() is not None
 
     async def put_recall_result(self, session_id: str, user_id: str | None, query: str,
-                                block: str) -> None:
+                                block: str, source: str = "local", fallback: bool = False
+                                ) -> None:
         await (await self.aux()).execute(
-            "INSERT INTO recall_results (session_id, user_id, query, block, version, updated_at) "
-            "VALUES (?, ?, ?, ?, (SELECT coalesce(max(version), 0) + 1 FROM recall_results), ?) "
+            "INSERT INTO recall_results (session_id, user_id, query, block, version, updated_at, "
+            "source, fallback) "
+            "VALUES (?, ?, ?, ?, (SELECT coalesce(max(version), 0) + 1 FROM recall_results), ?, "
+            "?, ?) "
             "ON CONFLICT (session_id) DO UPDATE SET user_id = excluded.user_id, "
             "query = excluded.query, block = excluded.block, version = excluded.version, "
-            "updated_at = excluded.updated_at",
-            (session_id, user_id, query, block, time.time()),
+            "updated_at = excluded.updated_at, source = excluded.source, "
+            "fallback = excluded.fallback",
+            (session_id, user_id, query, block, time.time(), source, int(fallback)),
         )
 
     async def recall_results_since(
         self, version: int, limit: int = 1000
-    ) -> list[tuple[str, str | None, str, str, int]]:
-        """Recall results written after ``version``: (session, user, query, block, version)."""
+    ) -> list[tuple[str, str | None, str, str, int, str, bool]]:
+        """Recall results written after ``version``:
+        (session, user, query, block, version, source, fallback)."""
         async with self.reader() as db, db.execute(
-            "SELECT session_id, user_id, query, block, version FROM recall_results "
-            "WHERE version > ? ORDER BY version LIMIT ?", (version, limit)
+            "SELECT session_id, user_id, query, block, version, source, fallback "
+            "FROM recall_results WHERE version > ? ORDER BY version LIMIT ?", (version, limit)
         ) as cur:
             rows = await cur.fetchall()
-        return [(r[0], r[1], r[2], r[3], int(r[4])) for r in rows]
+        return [(r[0], r[1], r[2], r[3], int(r[4]), str(r[5]), bool(r[6])) for r in rows]
 
     # -- the replica backend's outbox ---------------------------------------------------
 
@@ -720,14 +746,16 @@ class SqliteStore:
         backlog goes out together, so a remote store that takes messages per session gets
         one call for many turns, and no session waits behind a busier one."""
         async with self.reader() as db, db.execute(
-            "SELECT id, turn_key, session_id, first_id, n_messages, attempts FROM replica_outbox "
+            "SELECT id, turn_key, session_id, first_id, n_messages, attempts, "
+            "last_error IS NOT NULL FROM replica_outbox "
             "WHERE backend = :b AND status = 'pending' AND session_id IN ("
             "  SELECT session_id FROM replica_outbox WHERE backend = :b AND status = 'pending' "
             "  GROUP BY session_id ORDER BY min(id) LIMIT :sessions) "
             "ORDER BY id LIMIT :limit",
             {"b": backend, "sessions": sessions, "limit": limit},
         ) as cur:
-            return [ReplicaRow(*r) for r in await cur.fetchall()]
+            return [ReplicaRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]))
+                    for r in await cur.fetchall()]
 
     async def replica_turns(self, rows: Sequence[ReplicaRow]) -> list[Turn]:
         """The committed turns behind replica rows, rebuilt from their messages, in order;

@@ -383,3 +383,22 @@ async def test_a_resumed_session_gets_its_stored_recent_turns_back(tmp_path: Pat
             while second.stats().recalls_run == 0:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         assert "boiler" in second.prefetch("", session_id="other")
+
+
+async def test_a_resumed_session_keeps_its_history_when_a_new_turn_comes_first(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(db_path=tmp_path / "memory.db", recent_turns=3)
+    async with MemoryPipeline(settings) as first:
+        for n in range(2):
+            first.sync_turn(f"old question {n}", f"old answer {n}", session_id="r")
+    async with MemoryPipeline(settings) as second:
+        second.sync_turn("new question", "new answer", session_id="r")
+        await second.flush()
+        second.queue_prefetch("question", session_id="r")  # warms the session first
+        with anyio.fail_after(10):  # the recaller has no event to await: poll its count
+            while second.stats().recalls_run == 0:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        block = second.prefetch("", session_id="r")
+        assert block.index("old question 0") < block.index("old question 1") < \
+            block.index("new question"), "stored history first, then this process's turn"

@@ -152,9 +152,12 @@ async def test_an_unreachable_backend_loses_nothing_and_counts_no_attempts(
         await mem.flush()
         await eventually(lambda: backend.calls >= 4, "several tries while down")
         assert mem.stats().replica_dead == 0
+        sends_while_down = backend.calls
         backend.down = False
         await eventually(lambda: mem.stats().replicated_turns == 20, "caught up")
     assert backend.keys("s") == keys
+    # Tried before, even uncounted: the backend is told to check what it already holds.
+    assert backend.maybe_sent_calls >= backend.calls - sends_while_down >= 1
 
 
 async def test_prefetch_keeps_the_last_good_backend_block_marked_stale_while_it_fails(
@@ -240,3 +243,18 @@ async def test_status_shows_what_a_backend_still_lacks(
         capsys.readouterr()
         assert cli.main(["status", "--db", db]) == 0
         assert "replica scripted  7 turns to send, 0 dead letters" in capsys.readouterr().out
+
+
+async def test_two_sessions_of_one_user_get_their_own_backend_recall(tmp_path: Path) -> None:
+    class PerSession(ScriptedBackend):
+        async def recall(self, request: RecallRequest) -> str | None:
+            await anyio.sleep(0.05)  # both recalls are in flight at once
+            return f"context of {request.session_id}"
+
+    backend = PerSession()
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        mem.queue_prefetch("same question", session_id="a", user_id="u")
+        mem.queue_prefetch("same question", session_id="b", user_id="u")
+        await eventually(lambda: mem.stats().recalls_run == 2, "both ran")
+        await eventually(lambda: "context of b" in mem.prefetch("", session_id="b"), "b's own")
+        assert "context of a" in mem.prefetch("", session_id="a")

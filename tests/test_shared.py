@@ -241,3 +241,51 @@ async def test_an_unreadable_inbox_record_is_dead_lettered_and_the_rest_committe
         assert worker.stats().dead_letters == 1
     assert [k for k, role, _ in stored_turns(db)["S"] if role == "user"] == ["g1", "g2"]
     assert count_rows(db, "SELECT count(*) FROM outbox WHERE status = 'dead'") == 1
+
+
+async def test_a_turn_holding_nul_goes_through_the_inbox_and_is_stored(
+    db: Path, worker: MemoryPipeline
+) -> None:
+    async with MemoryPipeline(shared(db, "producer")) as producer:
+        key = producer.sync_turn("before\x00after", "ok", session_id="nul").key
+        await producer.flush(timeout=WAIT_S)
+    await eventually(lambda: worker.stats().inbox_committed_turns == 1, "committed")
+    assert worker.stats().dead_letters == 0
+    assert [(k, c) for k, role, c in stored_turns(db)["nul"] if role == "user"] == \
+        [(key, "before\x00after")]
+
+
+async def test_turns_left_in_a_slot_nobody_restarts_into_are_handed_in(db: Path) -> None:
+    first = MemoryPipeline(shared(db, "producer"))  # slot 0
+    await first.start()
+    # Slot 1: a producer whose writer hands in one turn at a time, stopped at once.
+    stuck = MemoryPipeline(shared(db, "producer", max_batch=1, max_wait_ms=600_000))
+    await stuck.start()
+    keys = [stuck.sync_turn(f"q{i}", "a", session_id="left").key for i in range(20)]
+    await stuck.aclose(deadline_s=0)
+    await first.aclose()
+    assert count_rows(db, "SELECT count(*) FROM inbox") < 20, "most stayed in slot 1"
+    # A new producer takes the lowest free slot, 0, and hands in what slot 1 holds.
+    async with MemoryPipeline(shared(db, "producer")) as later:
+        assert later._outbox._dir == first.settings.producer_outbox_dir(0)
+    assert count_rows(db, "SELECT count(*) FROM inbox") == 20
+    async with MemoryPipeline(shared(db, "worker")) as w:
+        await eventually(lambda: w.stats().inbox_committed_turns == 20, "committed")
+    assert [k for k, role, _ in stored_turns(db)["left"] if role == "user"] == keys
+
+
+async def test_a_producer_caches_only_its_own_sessions_recalls(
+    db: Path, worker: MemoryPipeline
+) -> None:
+    async with MemoryPipeline(shared(db, "producer")) as mine, \
+            MemoryPipeline(shared(db, "producer")) as other:
+        mine.sync_turn("the invoice is INV-1", "ok", session_id="m1", user_id="u")
+        await mine.flush(timeout=WAIT_S)
+        await eventually(lambda: worker.stats().inbox_committed_turns == 1, "committed")
+        mine.queue_prefetch("invoice", session_id="m2", user_id="u")
+        await eventually(lambda: "INV-1" in mine.prefetch("", session_id="m2"), "recalled")
+        runs = worker.stats().recalls_run
+        other.queue_prefetch("something", session_id="o1", user_id="v")
+        await eventually(lambda: worker.stats().recalls_run > runs, "the other's recall ran")
+        await eventually(lambda: other._requested == {}, "the other got its answer")
+        assert "m2" not in other._cache, "another gateway's session stays out of its cache"
