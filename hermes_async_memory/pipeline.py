@@ -108,6 +108,7 @@ _MAINTAIN_EVERY_S = 1.0
 _PRODUCER_SLOTS = 64
 _LEASE_SWEEP_S = 1.0  # how often a worker looks for claims of workers that are gone
 _ADOPT_EVERY_S = 30.0  # how often a worker hands in what gone producers left in their slots
+_INBOX_KEYS_KEPT_S = 7 * 24 * 3600.0  # done keys of inbox turns: the duplicate guard's memory
 
 
 class MemoryPipeline:
@@ -1252,6 +1253,7 @@ class MemoryPipeline:
                     if self._clock() >= next_adoption:
                         next_adoption = self._clock() + _ADOPT_EVERY_S
                         await self._adopt_free_slots()
+                        await self.store.prune_inbox_keys(time.time() - _INBOX_KEYS_KEPT_S)
                 if self.store.replica is not None:
                     self._replica_counts = await self.store.replica_counts(self.store.replica)
             except Exception as exc:  # the per-job boundary

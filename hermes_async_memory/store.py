@@ -835,6 +835,17 @@ class SqliteStore:
             row = await cur.fetchone()
         return int(row[0]) if row else 0
 
+    async def prune_inbox_keys(self, older_than: float) -> int:
+        """Forget 'done' keys of turns handed in through the inbox (segment 0) settled before
+        ``older_than`` (epoch seconds). They guard against a producer handing a turn in twice
+        after a crash; a producer's slot is handed in within seconds of it going away, so a
+        key that old guards nothing."""
+        cur = await self.writer.execute(
+            "DELETE FROM outbox WHERE status = 'done' AND segment = 0 AND updated_at < ?",
+            (older_than,),
+        )
+        return cur.rowcount
+
     async def prune_outbox(self, below_segment: int) -> int:
         """Forget 'done' keys whose outbox segment is gone: they can never be replayed."""
         cur = await self.writer.execute(

@@ -289,3 +289,24 @@ async def test_a_producer_caches_only_its_own_sessions_recalls(
         await eventually(lambda: worker.stats().recalls_run > runs, "the other's recall ran")
         await eventually(lambda: other._requested == {}, "the other got its answer")
         assert "m2" not in other._cache, "another gateway's session stays out of its cache"
+
+
+async def test_old_done_keys_of_inbox_turns_are_pruned_and_recent_ones_kept(db: Path) -> None:
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        turns = [_turn("old", "S"), _turn("new", "S")]
+        await _handed_in(store, turns)
+        claimed = await store.claim_inbox("me", 30.0, 100)
+        batch = Batch.of([t._replace(seq=row[0]) for t, row in zip(turns, claimed, strict=True)],
+                         "test")
+        batch.inbox_ids, batch.lease_owner = [row[0] for row in claimed], "me"
+        await store.commit_batch(batch)
+        conn = sqlite3.connect(db, isolation_level=None)
+        conn.execute("UPDATE outbox SET updated_at = 0 WHERE key = 'old'")
+        conn.close()
+        assert await store.prune_inbox_keys(time.time() - 3600) == 1
+    finally:
+        await store.aclose()
+    assert count_rows(db, "SELECT count(*) FROM outbox WHERE key = 'new'") == 1
+    assert count_rows(db, "SELECT count(*) FROM messages") == 4, "messages are never pruned"
