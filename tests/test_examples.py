@@ -40,3 +40,21 @@ def test_two_gateways_and_one_worker_share_one_file(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "worker exited 0; the file holds 120 turns in 40 sessions; 0 still waiting" in \
         result.stdout
+
+
+def test_the_hermes_plugin_example_runs_through_hermes_own_loader(tmp_path: Path) -> None:
+    home = tmp_path / "hermes-home"
+    env = child_env(HERMES_HOME=str(home))
+    subprocess.run([sys.executable, "-m", "hermes_async_memory.cli", "hermes", "install"],
+                   env=env, cwd=ROOT, check=True, capture_output=True, timeout=RUN_TIMEOUT_S)
+    (home / "config.yaml").write_text("memory:\n  provider: hermes_async_memory\n")
+    result = subprocess.run(
+        [sys.executable, "examples/hermes_plugin/smoke.py"], env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "provider: hermes_async_memory" in result.stdout
+    memory = result.stdout.split("<memory-context>", 1)
+    assert len(memory) == 2 and "Rossio station" in memory[1], \
+        "before its second reply the agent saw its memory of the first turn"
+    assert "'abandoned_writes': 0" in result.stdout
