@@ -129,6 +129,7 @@ class RecallCache:
         assistant text) in front of what this process committed for it since. Returns
         whether the session's block changed."""
         entry = self._entries.get(session_id)
+        fresh = entry is None
         if entry is None:
             if not turns:
                 return False
@@ -145,10 +146,11 @@ class RecallCache:
         merged += list(entry.recent)
         entry.recent.clear()
         entry.recent.extend(merged)  # the deque keeps the newest recent_turns
-        if entry.last_turn_key is None:
+        if fresh:  # what the cache reflects is the stored history
             entry.last_turn_key = older[-1][0]
             entry.committed_mono = now
-        entry.turns_committed += len(older)
+            entry.turns_committed = len(older)
+        # Otherwise the entry reflects this process's commits; their count and last turn stay.
         entry.version += 1
         return True
 
