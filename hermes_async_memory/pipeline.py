@@ -186,8 +186,8 @@ class MemoryPipeline:
         self._waiter_ids = itertools.count()
         self._pending_recalls: dict[str, tuple[str, str | None, int]] = {}
         self._warming: set[str] = set()
-        # A producer's recalls the worker has not answered yet: session -> when asked.
-        self._requested: dict[str, float] = {}
+        # A producer's recalls the worker has not answered yet (a set kept in order).
+        self._requested: dict[str, None] = {}  # insertion order: the oldest goes first
         self._warm_tasks: set[asyncio.Future[None]] = set()
         self._inflight: dict[tuple[str, tuple[str, ...], str], asyncio.Future[_Recalled]] = {}
         self._replica_work: asyncio.Event | None = None
@@ -1095,7 +1095,7 @@ class MemoryPipeline:
             user_id = user_id or self._cache.user_of(session_id)
             if self._role == "producer":
                 try:  # the worker runs it; the results poller brings the block back
-                    self._requested[session_id] = self._clock() or 1e-9  # before: no race
+                    self._requested[session_id] = None  # before the request: no race
                     await self.store.request_recall(session_id, user_id, query)
                     while len(self._requested) > self.settings.max_pending_recalls:
                         self._requested.pop(next(iter(self._requested)))
@@ -1224,7 +1224,10 @@ class MemoryPipeline:
                 self._recall_version = version
                 # Only the sessions this gateway serves: another gateway's would crowd its
                 # cache out (and keep a resumed session from being warmed).
-                if self._requested.pop(session_id, 0.0) == 0.0 and session_id not in self._cache:
+                asked = session_id in self._requested
+                if asked:
+                    del self._requested[session_id]
+                elif session_id not in self._cache:
                     continue
                 self._cache.set_recall(session_id, user_id, query, block, source=source,
                                        fallback=fallback)
