@@ -2,16 +2,23 @@
 
     HermesMemoryError
     ├── ConfigurationError        a setting or environment value is invalid
-    ├── InvalidTurnError          a turn that cannot be stored (too large, wrong types)
-    ├── QueueFullError            the bounded queue is full and the policy is "reject"
-    ├── PipelineClosedError       the pipeline is closed or closing: nothing is accepted
+    ├── InvalidTurnError          input that cannot be stored; refused before it is accepted
+    ├── QueueFullError            the backlog is full and the overflow policy is "reject"
+    ├── PipelineClosedError       the pipeline is not open (not started, closing, or closed)
+    ├── PipelineFailedError       a background part failed for good; ``cause`` says why
     ├── FlushTimeoutError         flush() did not reach its barrier in time (also a TimeoutError)
-    ├── StoreError                the SQLite store failed; the turn stays durable in the outbox
-    │   └── CorruptOutboxError    an outbox segment cannot be read back
+    ├── StoreError                the store or the outbox failed; what was accepted stays durable
+    │   ├── DiskFullError         no space left to make a turn durable or to commit it
+    │   ├── StoreAccessError      the store's file or folder cannot be used (read-only, missing)
+    │   ├── CorruptStoreError     the store file is damaged or is not a SQLite store of ours
+    │   ├── CorruptOutboxError    an outbox segment cannot be used at all
+    │   └── LeaseLostError        another worker took over inbox turns this one had claimed
     └── BackendError              a replica backend failed
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class HermesMemoryError(Exception):
@@ -23,15 +30,28 @@ class ConfigurationError(HermesMemoryError, ValueError):
 
 
 class InvalidTurnError(HermesMemoryError, ValueError):
-    """A turn was refused before it was accepted; nothing was stored."""
+    """Input was refused before it was accepted; nothing was stored."""
 
 
 class QueueFullError(HermesMemoryError):
-    """The bounded queue is full and the overflow policy is ``"reject"``; nothing was stored."""
+    """The backlog is full and the overflow policy is ``"reject"``; nothing was stored."""
 
 
 class PipelineClosedError(HermesMemoryError):
     """The pipeline is not open (not started yet, closing, or closed)."""
+
+
+class PipelineFailedError(HermesMemoryError):
+    """A background part of the pipeline stopped for a cause it cannot outlive.
+
+    Turns accepted before stay durable in the outbox; the next start commits them.
+    ``part`` names the part, ``cause`` is the exception that stopped it.
+    """
+
+    def __init__(self, part: str, cause: BaseException) -> None:
+        self.part = part
+        self.cause = cause
+        super().__init__(f"the pipeline's {part} failed: {describe(cause)}")
 
 
 class FlushTimeoutError(HermesMemoryError, TimeoutError):
@@ -39,12 +59,39 @@ class FlushTimeoutError(HermesMemoryError, TimeoutError):
 
 
 class StoreError(HermesMemoryError):
-    """The SQLite store failed."""
+    """The store or the outbox failed."""
+
+
+class DiskFullError(StoreError):
+    """No space is left on the device: a turn cannot be made durable, or not committed."""
+
+
+class StoreAccessError(StoreError):
+    """The store's file or folder cannot be used: read-only, not writable, or missing."""
+
+
+class CorruptStoreError(StoreError):
+    """The store file is damaged, or is not a SQLite store of ours."""
+
+    def __init__(self, path: Path | str, detail: str) -> None:
+        self.path = Path(path)
+        super().__init__(f"the store {self.path} is damaged or not a memory store: {detail}")
 
 
 class CorruptOutboxError(StoreError):
-    """An outbox segment holds bytes that are not a record this library wrote."""
+    """An outbox segment cannot be used at all (damaged records are quarantined instead)."""
+
+
+class LeaseLostError(StoreError):
+    """A worker's claim on inbox turns expired and another worker holds them now."""
 
 
 class BackendError(HermesMemoryError):
     """A replica backend failed."""
+
+
+def describe(exc: BaseException) -> str:
+    """``exc`` as one line: its type and its message."""
+    text = " ".join(str(exc).split())
+    name = type(exc).__name__
+    return f"{name}: {text}" if text else name
