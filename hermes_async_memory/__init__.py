@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .backends import Backend, HonchoBackend, HonchoConfig, InMemoryBackend, NullBackend
-from .cache import PrefetchStatus
 from .errors import (
     BackendError,
     ConfigurationError,
@@ -22,6 +21,7 @@ from .errors import (
 )
 from .metrics import PipelineObserver
 from .pipeline import MemoryPipeline
+from .recall.cache import PrefetchStatus
 from .settings import Settings
 from .stats import PipelineStats
 from .turns import Receipt

@@ -1,53 +1,73 @@
-"""The outbox: accepted turns, durable before sync_turn returns, until the store has them.
+"""The outbox: accepted records, durable before sync_turn returns, until the store has them.
 
-A turn is accepted by appending one record to a memory-mapped segment file. Bytes stored into
-a shared mapping live in the kernel's page cache, so they survive SIGKILL of the process with
-no system call on the accept path (power loss is another matter; see README). A record is
-``[u32 length][u32 crc32][payload]``; the length is written last and is the commit mark, so a
-record torn by a kill reads as the end of the log.
+A record is accepted by appending it to a memory-mapped segment file. Bytes stored into a
+shared mapping live in the kernel's page cache, so they survive SIGKILL of the process with
+no system call on the accept path (power loss is another matter; see README). The log is
+also the writer's queue: the writer reads records back from the mapping, in order, so a
+pending turn costs no memory beyond its bytes in the log, and overflow, crash recovery and
+normal work share one path.
 
-The outbox also holds the bounded in-memory queue the writer drains. When that queue is full
-(or anything is already waiting on disk), a new turn is only appended to the log and the
-receipt says "deferred"; the writer later reads such turns back from the log, in order. After
-a crash the log is read back the same way, so recovery and overflow share one path. The
-``outbox`` table in the store records each turn's final state (done, dead) under a unique key:
-that is what makes a replay exactly-once.
+A record is ``[magic u32][length u32][crc32 u32][info u32][payload]``: ``info`` holds the
+record's kind and message count, the CRC covers ``info`` and the payload (ASCII JSON), and
+the magic and the length are written last, together: that is the commit mark. A kill before
+it leaves zeros where the next header would be: the end of the log, read silently. The magic
+holds bytes no ASCII payload can, so the start-up scan can find the next record after damage:
+the damaged bytes are copied to ``quarantine/`` beside the segments, counted and logged, and
+every intact record after them is recovered.
+
+The store's ``outbox`` table records each turn's final state (done, dead) under its unique
+key: that is what makes a replay after a crash exactly-once.
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import errno
 import fcntl
+import json
 import mmap
 import os
 import struct
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 import structlog
 
-from .errors import CorruptOutboxError, QueueFullError, StoreError
+from .errors import (
+    CorruptOutboxError,
+    DiskFullError,
+    QueueFullError,
+    StoreAccessError,
+    StoreError,
+)
 from .settings import OverflowPolicy
-from .turns import Turn
 
 log = structlog.get_logger(__name__)
 
-_HEADER = struct.Struct("<II")
-_LEN = struct.Struct("<I")
-_CRC = struct.Struct("<I")
+_MAGIC = b"\xd3\xa7\xf1\x8b"  # bytes >= 0x80: never inside an ASCII payload
+(_MAGIC_U32,) = struct.unpack("<I", _MAGIC)
+_HEAD = struct.Struct("<IIII")  # magic, length, crc32, info
+_MARK = struct.Struct("<II")  # magic, length: the commit mark
+_TAIL = struct.Struct("<II")  # crc32, info
+_INFO = struct.Struct("<I")
+HEADER_BYTES = _HEAD.size
+_LEGACY = struct.Struct("<II")  # an earlier version's record: [length][crc32][payload]
 _SUFFIX = ".seg"
+QUARANTINE_DIR = "quarantine"
+KIND_TURN = 0
+_COUNT_MASK = 0xFFFFFF
 # The next segment is created ahead of need once the current one is this full, so that
 # sync_turn does not pay for a file creation.
 _SPARE_AT = 0.5
 _PAGE = mmap.PAGESIZE
 _PREFAULT_BYTES = 4 * 1024 * 1024
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching them
+_ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+                            errno.EISDIR, errno.ENOENT, errno.ELOOP, errno.ENAMETOOLONG})
 
 
 def _load_madvise() -> Callable[[int, int, int], int] | None:
@@ -58,7 +78,7 @@ def _load_madvise() -> Callable[[int, int, int], int] | None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn
+    return fn  # type: ignore[no-any-return]
 
 
 _madvise = _load_madvise()
@@ -81,323 +101,433 @@ def _address(mm: mmap.mmap) -> int:
         del view  # release the buffer export, or the mapping could not be closed
 
 
+def os_error(exc: OSError, what: str) -> Exception:
+    """The typed error for a file-system failure of the outbox."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"no space left for {what}: {exc.strerror}")
+    if exc.errno in _ACCESS_ERRNOS:
+        return StoreAccessError(f"cannot use {what}: {exc.strerror or exc}")
+    return CorruptOutboxError(f"cannot use {what}: {exc}")
+
+
+class Record(NamedTuple):
+    """One record read back from the log for the writer."""
+
+    seq: int  # its number in accept order since open (what an earlier run left comes first)
+    segment: int
+    offset: int
+    payload: str  # ASCII JSON
+    n_messages: int
+    kind: int
+
+
 @dataclass(eq=False)
 class _Segment:
     number: int
     path: Path
     size: int
     mm: mmap.mmap
-    offset: int = 0  # where the next record goes (or the end of what was recovered)
+    offset: int = 0  # where the next record goes, or the end of what was recovered
     appended: int = 0
+    payload_bytes: int = 0
     done: int = 0
     sealed: bool = False
+    skips: dict[int, int] = field(default_factory=dict)  # damaged region -> next record
     addr: int = 0  # where the mapping starts in memory, for madvise
     populated_to: int = 0  # pages below this were faulted in ahead of the accept path
 
-    def close(self) -> None:
-        self.mm.close()
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """What ``open()`` found: records an earlier run left, and damage set aside."""
+
+    records: int = 0
+    quarantined_regions: int = 0
+    quarantined_bytes: int = 0
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class OutboxCounts:
-    queued_turns: int
-    queued_bytes: int
-    deferred_turns: int
+    pending_turns: int  # accepted, not settled
+    pending_bytes: int
+    unread_turns: int  # accepted, not yet read by the writer
     segments: int
-    oldest_accepted_mono: float | None
-
-
-@dataclass
-class _Cursor:
-    segment: int
-    offset: int
-
-
-@dataclass
-class Refill:
-    """Turns read back from the log, in accept order."""
-
-    turns: list[Turn] = field(default_factory=list)
-    recovered: bool = False
+    quarantined_regions: int
+    quarantined_bytes: int
 
 
 class Outbox:
-    """The durable accept log plus the bounded queue in front of the writer."""
+    """The durable accept log, read back in order by the writer."""
 
     def __init__(
         self,
         directory: Path,
         *,
         segment_bytes: int,
-        max_queued_turns: int,
-        max_queued_bytes: int,
+        max_pending_turns: int,
+        max_pending_bytes: int,
         overflow: OverflowPolicy,
-        clock: Callable[[], float],
     ) -> None:
-        self._dir = directory
+        self.directory = directory
         self._segment_bytes = segment_bytes
-        self._max_turns = max_queued_turns
-        self._max_bytes = max_queued_bytes
+        self._max_turns = max_pending_turns
+        self._max_bytes = max_pending_bytes
         self._overflow = overflow
-        self._clock = clock
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
         self._tail: _Segment | None = None
         self._spare: _Segment | None = None
-        self._queue: collections.deque[tuple[Any, ...]] = collections.deque()
-        self._queued_bytes = 0
-        # Set while turns wait on disk only; everything accepted then goes to disk only
-        # too, so per-session order holds when the writer reads them back.
-        self._spill: _Cursor | None = None
-        self._spilled = 0
-        self._recovering_until: _Cursor | None = None
-        self._seq = 0
+        self._reserved = 0  # the highest segment number handed out (spares included)
+        self._doomed: list[_Segment] = []  # settled segments to unmap and delete, off the lock
+        self._seq = 0  # records accepted (recovered ones first)
+        self._read_seq = 0
+        self._done_seq = 0
+        self._pending_bytes = 0
+        self._read: tuple[int, int] = (0, 0)  # the writer's cursor: (segment, offset)
+        self._settled: tuple[int, int] = (0, 0)  # after the last settled record
+        self._recovered = 0
+        self._quarantined = (0, 0)
         self._lock_fd: int | None = None
-        self._open = False
 
-    # -- life cycle --------------------------------------------------------------------
+    # -- life cycle (blocking: call it in a worker thread) ------------------------------
 
-    def open(self, first_number: int = 1) -> int:
-        """Map the segments left by an earlier run; returns how many records they hold.
+    def open(self, first_number: int = 1, *, writable: bool = True) -> Recovery:
+        """Lock the directory, map what an earlier run left, and set aside damaged bytes.
+
+        ``writable=False``: only to read back what is there (a gone producer's slot being
+        handed in); no new segment is created and nothing can be appended.
 
         Raises:
-            StoreError: the directory is locked by another process or cannot be used.
+            OutboxBusyError: another live process holds the directory.
+            StoreAccessError, DiskFullError, CorruptOutboxError: it cannot be used.
         """
         try:
-            self._dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            fd = os.open(self._dir / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
-            raise StoreError(f"cannot use the outbox directory {self._dir}: {exc}") from exc
+            raise os_error(exc, f"the outbox directory {self.directory}") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
             os.close(fd)
-            raise StoreError(
-                f"the outbox {self._dir} is in use by another process; "
+            raise OutboxBusyError(
+                f"the outbox {self.directory} is in use by another process; "
                 "one pipeline per store file (see the worker process for sharing)"
             ) from exc
         self._lock_fd = fd
-        found = 0
-        numbers = sorted(
-            int(p.stem) for p in self._dir.glob("*" + _SUFFIX) if p.stem.isdigit()
-        )
+        try:
+            return self._recover(first_number, writable)
+        except BaseException:
+            self._unmap_all()
+            os.close(fd)
+            self._lock_fd = None
+            raise
+
+    def _recover(self, first_number: int, writable: bool) -> Recovery:
+        numbers = sorted(int(p.stem) for p in self.directory.glob("*" + _SUFFIX)
+                         if p.stem.isdigit())
+        regions = damaged = found = 0
+        legacy: list[bytes] = []
         for number in numbers:
             seg = self._map(number, create=False)
-            self._scan(seg)
+            if _is_legacy(seg):
+                legacy.extend(_legacy_records(seg))
+                seg.sealed = True
+                self._doomed.append(seg)
+                continue
+            for start, end in _scan(seg):
+                regions += 1
+                damaged += end - start
+                self._quarantine(seg, start, end)
             seg.sealed = True
             if seg.appended == 0:
-                self._drop(seg)
+                self._doomed.append(seg)
                 continue
             self._segments[number] = seg
             found += seg.appended
-        if self._segments:
-            first = min(self._segments)
-            self._spill = _Cursor(first, 0)
-            self._spilled = found
-            last = max(self._segments)
-            self._recovering_until = _Cursor(last, self._segments[last].offset)
-        # Segment numbers never repeat (the store remembers the highest it saw), so the
-        # store can forget done keys of segments that are gone.
-        next_number = max([first_number, *(n + 1 for n in numbers)])
-        self._tail = self._map(next_number, create=True)
-        self._segments[next_number] = self._tail
-        self._open = True
-        return found
+        self._reserved = max([first_number - 1, *numbers])
+        if writable or legacy:
+            self._tail = self._new_segment()
+            self._segments[self._tail.number] = self._tail
+        self._read = self._settled = (min(self._segments, default=0), 0)
+        self._seq = self._recovered = found
+        self._pending_bytes = sum(seg.payload_bytes for seg in self._segments.values())
+        with self._lock:
+            for payload in legacy:  # an earlier version's records, re-written in this format
+                self._write(payload, _count_messages(payload))
+        self._recovered += len(legacy)
+        self._quarantined = (regions, damaged)
+        self.reap()
+        return Recovery(found + len(legacy), regions, damaged)
+
+    def _quarantine(self, seg: _Segment, start: int, end: int) -> None:
+        qdir = self.directory / QUARANTINE_DIR
+        path = qdir / f"{seg.number:012d}-{start:010d}.bin"
+        try:
+            qdir.mkdir(mode=0o700, exist_ok=True)
+            with open(path, "wb") as f:
+                os.fchmod(f.fileno(), 0o600)
+                f.write(seg.mm[start:end])
+        except OSError as exc:
+            log.error("outbox_quarantine_failed", segment=str(seg.path), offset=start,
+                      bytes=end - start, error=str(exc), exc_info=True)
+            return
+        log.error("outbox_damaged_bytes_quarantined", segment=str(seg.path), offset=start,
+                  bytes=end - start, quarantine=str(path))
 
     def close(self) -> None:
-        """Unmap everything; records not yet done stay on disk for the next start."""
+        """Unmap everything and delete settled segments; records not settled stay on disk
+        for the next start. Blocking (file I/O): call it in a worker thread."""
         with self._lock:
-            self._open = False
-            for seg in list(self._segments.values()):
-                if seg.done >= seg.appended:
-                    self._drop(seg)
-                else:
-                    seg.mm.flush()
-                    seg.close()
+            segments = list(self._segments.values())
             self._segments.clear()
             if self._spare is not None:
-                self._drop(self._spare)
+                self._doomed.append(self._spare)
                 self._spare = None
             self._tail = None
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+            for seg in segments:
+                if seg.done >= seg.appended:
+                    self._doomed.append(seg)
+                else:
+                    seg.mm.close()
+        self.reap()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _unmap_all(self) -> None:
+        for seg in [*self._segments.values(), *self._doomed]:
+            seg.mm.close()
+        self._segments.clear()
+        self._doomed.clear()
 
     # -- accept (any thread) -------------------------------------------------------------
 
-    def put(self, turn: Turn, payload: bytes) -> tuple[Turn, bool]:
-        """Make ``turn`` durable and queue it; returns it numbered, and whether it was
-        deferred to disk (queued turns are read back from there later).
+    def append(self, payload: bytes, n_messages: int, kind: int = KIND_TURN) -> tuple[int, bool]:
+        """Make ``payload`` durable; returns its number and whether the backlog was past its
+        bounds (the writer is behind: the record waits in the log, as every record does).
 
         Raises:
-            QueueFullError: the queue is full and the policy is "reject"; nothing stored.
-            StoreError: the log cannot grow (disk full); nothing stored.
+            QueueFullError: the backlog is full and the policy is "reject"; nothing stored.
+            DiskFullError: the log cannot grow; nothing stored.
+            CorruptOutboxError: the outbox is closed or its directory cannot be used.
         """
         size = len(payload)
+        info = (kind << 24) | min(n_messages, _COUNT_MASK)
         with self._lock:
             tail = self._tail
             if tail is None:
-                raise StoreError("the outbox is closed")
-            full = (
-                len(self._queue) >= self._max_turns
-                or self._queued_bytes + size > self._max_bytes
-            )
-            if full and self._spill is None and self._overflow == "reject":
+                raise CorruptOutboxError("the outbox is closed")
+            pending = self._seq - self._done_seq
+            over = pending >= self._max_turns or self._pending_bytes + size > self._max_bytes
+            if over and self._overflow == "reject":
                 raise QueueFullError(
-                    f"{len(self._queue)} turns ({self._queued_bytes} bytes) are queued; "
+                    f"{pending} turns ({self._pending_bytes} bytes) wait to be committed; "
                     "the overflow policy is 'reject'"
                 )
-            if tail.offset + _HEADER.size + size + _LEN.size > tail.size:
-                tail = self._roll(size)
-            off = tail.offset
-            mm = tail.mm
-            mm[off + 8 : off + 8 + size] = payload
-            _CRC.pack_into(mm, off + 4, zlib.crc32(payload))
-            _LEN.pack_into(mm, off, size)  # the commit mark: written last
-            tail.offset = off + 8 + size
-            tail.appended += 1
-            self._seq += 1
-            # The turn numbered, as the plain tuple it is queued as (Turn.pack's form; the
-            # field order is Turn's): cheaper than NamedTuple._replace on every accept.
-            flat = (turn[0], self._seq, *turn[2:6], size, tail.number, *turn[8:])
-            if self._spill is not None or full:
-                if self._spill is None:
-                    self._spill = _Cursor(tail.number, off)
-                self._spilled += 1
-                return Turn.unpack(flat), True
-            # Queued packed flat, which the garbage collector stops tracking: a backlog then
-            # never makes a full collection (a loop stall) longer or more frequent.
-            self._queue.append(flat)
-            self._queued_bytes += size
-            return Turn.unpack(flat), False
+            return self._write(payload, info), over
+
+    def _write(self, payload: bytes, info: int) -> int:
+        tail = self._tail
+        assert tail is not None
+        size = len(payload)
+        if tail.offset + HEADER_BYTES + size > tail.size:
+            tail = self._roll(size)
+        off = tail.offset
+        mm = tail.mm
+        mm[off + HEADER_BYTES : off + HEADER_BYTES + size] = payload
+        _TAIL.pack_into(mm, off + 8, zlib.crc32(payload, zlib.crc32(_INFO.pack(info))), info)
+        _MARK.pack_into(mm, off, _MAGIC_U32, size)  # the commit mark: written last
+        tail.offset = off + HEADER_BYTES + size
+        tail.appended += 1
+        self._pending_bytes += size
+        self._seq += 1
+        return self._seq
 
     def _roll(self, size: int) -> _Segment:
         assert self._tail is not None
-        self._tail.sealed = True
-        need = _HEADER.size + size + _LEN.size
-        spare = self._spare
-        self._spare = None
+        need = HEADER_BYTES + size
+        spare, self._spare = self._spare, None
         if spare is None or spare.size < need:
             if spare is not None:
-                self._drop(spare)
-            spare = self._map(self._tail.number + 1, create=True, size=need)
+                self._doomed.append(spare)
+            # No spare ready (the maintainer fell behind): create one here, on the accept path.
+            spare = self._new_segment(need)
+        self._tail.sealed = True
         self._segments[spare.number] = spare
         self._tail = spare
-        self._reap_locked()
+        self._collect_settled()
         return spare
+
+    def _new_segment(self, need: int = 0) -> _Segment:
+        number = self._reserved + 1
+        self._reserved = number
+        return self._map(number, create=True, size=max(need, self._segment_bytes))
 
     # -- the writer's side (event loop) --------------------------------------------------
 
-    def take(self, max_turns: int) -> list[Turn]:
-        """Up to ``max_turns`` queued turns, oldest first."""
-        with self._lock:
-            q = self._queue
-            make = Turn.unpack
-            n = min(max_turns, len(q))
-            batch = [make(q.popleft()) for _ in range(n)]
-            self._queued_bytes -= sum(t.nbytes for t in batch)
-            return batch
+    def read(self, max_records: int, max_bytes: int, *, recovered_only: bool = False
+             ) -> list[Record]:
+        """Up to ``max_records`` records not yet read (and at least one, whatever its size,
+        while any is left), in accept order. ``recovered_only``: stop at the first record this
+        process accepted, so records left by an earlier run come in batches of their own.
 
-    def recovering(self) -> bool:
-        """Whether records left by an earlier run are still to be read back."""
-        return self._recovering_until is not None
-
-    def accepted(self) -> int:
-        """Turns accepted by put() since open()."""
-        return self._seq
-
-    def queued(self) -> int:
-        return len(self._queue)
-
-    def deferred(self) -> int:
-        return self._spilled
-
-    def has_work(self) -> bool:
-        return bool(self._queue) or self._spill is not None
-
-    def refill(self, max_turns: int, max_bytes: int) -> Refill:
-        """Read turns that wait on disk only, in order, up to the given room.
-
-        Raises:
-            CorruptOutboxError: a record's bytes do not decode.
+        Only the writer reads. Bytes below a segment's end never change, so they are copied
+        out without the lock that the accept path takes.
         """
-        out = Refill()
         with self._lock:
-            cur = self._spill
-            if cur is None:
-                return out
-            assert self._tail is not None
-            if self._recovering_until is not None:
-                until = self._recovering_until
-                out.recovered = (cur.segment, cur.offset) < (until.segment, until.offset)
-            used = 0
-            while len(out.turns) < max_turns:
-                seg = self._segments.get(cur.segment)
-                if seg is None:
-                    later = [n for n in self._segments if n > cur.segment]
-                    if not later:
-                        break
-                    cur = _Cursor(min(later), 0)
-                    continue
-                if cur.offset >= seg.offset:
-                    if seg is self._tail:
-                        break
-                    later = [n for n in self._segments if n > cur.segment]
-                    if not later:
-                        break
-                    cur = _Cursor(min(later), 0)
-                    continue
-                if out.recovered and self._recovering_until is not None:
-                    until = self._recovering_until
-                    if (cur.segment, cur.offset) >= (until.segment, until.offset):
-                        break  # recovered and new turns are not mixed in one refill
-                (size,) = _LEN.unpack_from(seg.mm, cur.offset)
-                if out.turns and used + size > max_bytes:
+            number, off = self._read
+            # The segments from the cursor on, each with its end as of now.
+            ahead = [(n, seg, seg.offset) for n, seg in sorted(self._segments.items())
+                     if n >= number]
+            limit = self._recovered if recovered_only else self._seq
+        out: list[Record] = []
+        seq = self._read_seq
+        used = 0
+        for n, seg, end in ahead:
+            if n > number:
+                number, off = n, 0
+            mm, skips = seg.mm, seg.skips
+            while off < end and len(out) < max_records and seq < limit:
+                off = skips.get(off, off)
+                if off >= end:
                     break
-                payload = bytes(seg.mm[cur.offset + 8 : cur.offset + 8 + size])
-                try:
-                    turn = Turn.decode(payload, seg.number, self._clock())
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise CorruptOutboxError(
-                        f"record at {seg.path}:{cur.offset} does not decode"
-                    ) from exc
-                out.turns.append(turn)
+                _, size, _, info = _HEAD.unpack_from(mm, off)
+                if out and used + size > max_bytes:
+                    limit = seq  # full
+                    break
+                start = off + HEADER_BYTES
+                seq += 1
+                out.append(Record(seq, n, off, mm[start : start + size].decode("latin-1"),
+                                  info & _COUNT_MASK, info >> 24))
                 used += size
-                cur = _Cursor(cur.segment, cur.offset + 8 + size)
-            self._spilled -= len(out.turns)
-            if (
-                self._recovering_until is not None
-                and (cur.segment, cur.offset)
-                >= (self._recovering_until.segment, self._recovering_until.offset)
-            ):
-                self._recovering_until = None
-            tail = self._tail
-            if cur.segment == tail.number and cur.offset >= tail.offset:
-                self._spill = None  # caught up: new turns may use the queue again
-                self._spilled = 0
-            else:
-                self._spill = cur
+                off = start + size
+            if len(out) >= max_records or seq >= limit or off < end:
+                break
+        self._read = (number, off)
+        self._read_seq = seq
         return out
 
-    def mark_done(self, turns: list[Turn]) -> None:
-        """The store has these turns (or their dead letters): their records may go."""
+    def mark_done(self, records: list[Record]) -> None:
+        """The store has these records (or their dead letters): their bytes may go. Records
+        are settled in the order they were read."""
+        if not records:
+            return
         with self._lock:
-            for t in turns:
-                seg = self._segments.get(t.segment)
+            segments = self._segments
+            for r in records:
+                seg = segments.get(r.segment)
                 if seg is not None:
                     seg.done += 1
-            self._reap_locked()
+                self._pending_bytes -= len(r.payload)
+            last = records[-1]
+            self._done_seq = max(self._done_seq, last.seq)
+            self._settled = (last.segment, last.offset + HEADER_BYTES + len(last.payload))
+            self._collect_settled()
+
+    def _collect_settled(self) -> None:
+        read_segment = self._read[0]
+        for number in sorted(self._segments):
+            seg = self._segments[number]
+            if seg is self._tail or number >= read_segment:
+                break
+            if seg.sealed and seg.done >= seg.appended:
+                del self._segments[number]
+                self._doomed.append(seg)
+
+    def oldest_pending_accepted_at(self) -> float | None:
+        """When the oldest record not yet settled was accepted (epoch seconds), or None."""
+        with self._lock:
+            if self._done_seq >= self._seq:
+                return None
+            number, off = self._settled
+            for _ in range(len(self._segments) + 1):
+                seg = self._segments.get(number)
+                if seg is not None:
+                    off = seg.skips.get(off, off)
+                    if off < seg.offset:
+                        _, size, _, _ = _HEAD.unpack_from(seg.mm, off)
+                        start = off + HEADER_BYTES
+                        payload = seg.mm[start : start + size]
+                        break
+                later = [n for n in self._segments if n > number]
+                if not later:
+                    return None
+                number, off = min(later), 0
+            else:
+                return None
+        try:
+            at = json.loads(payload)["t"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return None
+        return float(at) if isinstance(at, (int, float)) else None
+
+    # -- counts (any thread) -------------------------------------------------------------
+
+    def accepted(self) -> int:
+        """Records accepted since open, those an earlier run left included."""
+        return self._seq
+
+    @property
+    def recovered(self) -> int:
+        """Records an earlier run left, read back first."""
+        return self._recovered
+
+    def unread(self) -> int:
+        return self._seq - self._read_seq
+
+    def counts(self) -> OutboxCounts:
+        with self._lock:
+            return OutboxCounts(
+                pending_turns=self._seq - self._done_seq,
+                pending_bytes=self._pending_bytes,
+                unread_turns=self._seq - self._read_seq,
+                segments=len(self._segments),
+                quarantined_regions=self._quarantined[0],
+                quarantined_bytes=self._quarantined[1],
+            )
+
+    def oldest_segment(self) -> int:
+        """The lowest segment number still on disk (its turns' done keys are still needed)."""
+        with self._lock:
+            numbers = [*self._segments, *(s.number for s in self._doomed)]
+            return min(numbers) if numbers else 0
+
+    # -- upkeep (blocking: the maintainer calls these in a worker thread) ----------------
+
+    def needs_spare(self) -> bool:
+        tail = self._tail
+        return (tail is not None and self._spare is None
+                and tail.offset >= tail.size * _SPARE_AT)
 
     def prepare_spare(self) -> None:
-        """Create the next segment ahead of need (called off the accept path)."""
+        """Create the next segment ahead of need, off the accept path and off the lock.
+
+        Raises:
+            DiskFullError: no room for it (the accept path tries again when it must roll).
+        """
         with self._lock:
-            tail = self._tail
-            if tail is None or self._spare is not None:
+            if self._tail is None or self._spare is not None or not self.needs_spare():
                 return
-            if tail.offset < tail.size * _SPARE_AT:
+            number = self._reserved + 1
+            self._reserved = number
+        seg = self._map(number, create=True, size=self._segment_bytes)
+        with self._lock:
+            if self._tail is not None and self._spare is None and self._tail.number < number:
+                self._spare = seg
                 return
-            # Under the lock, so an accept that rolls over meanwhile cannot race for the name.
-            self._spare = self._map(tail.number + 1, create=True)
+        # The tail rolled past it meanwhile (or the outbox closed): not needed.
+        seg.mm.close()
+        seg.path.unlink(missing_ok=True)
+
+    def reap(self) -> int:
+        """Unmap and delete settled segments; returns how many went."""
+        with self._lock:
+            doomed, self._doomed = self._doomed, []
+        for seg in doomed:
+            seg.mm.close()
+            seg.path.unlink(missing_ok=True)
+        return len(doomed)
 
     def prefault_plan(self) -> list[tuple[int, int]]:
         """Address ranges ahead of the tail (and of the spare) to fault in off the loop.
@@ -425,38 +555,12 @@ class Outbox:
         for addr, length in plan:
             _populate_write(addr, length)
 
-    def oldest_segment(self) -> int:
-        with self._lock:
-            return min(self._segments) if self._segments else 0
-
-    def counts(self) -> OutboxCounts:
-        with self._lock:
-            oldest = Turn.unpack(self._queue[0]).accepted_mono if self._queue else None
-            return OutboxCounts(
-                queued_turns=len(self._queue),
-                queued_bytes=self._queued_bytes,
-                deferred_turns=self._spilled,
-                segments=len(self._segments),
-                oldest_accepted_mono=oldest,
-            )
-
     # -- files ---------------------------------------------------------------------------
 
-    def _reap_locked(self) -> None:
-        for number in sorted(self._segments):
-            seg = self._segments[number]
-            if seg is self._tail or not seg.sealed or seg.done < seg.appended:
-                continue
-            if self._spill is not None and self._spill.segment <= number:
-                continue
-            del self._segments[number]
-            self._drop(seg)
-
-    def _map(self, number: int, *, create: bool, size: int | None = None) -> _Segment:
-        path = self._dir / f"{number:012d}{_SUFFIX}"
+    def _map(self, number: int, *, create: bool, size: int = 0) -> _Segment:
+        path = self.directory / f"{number:012d}{_SUFFIX}"
         try:
             if create:
-                size = max(size or 0, self._segment_bytes)
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 try:
                     # Reserve the blocks now: a write into a hole of a full disk is SIGBUS.
@@ -476,22 +580,88 @@ class Outbox:
             finally:
                 os.close(fd)
         except OSError as exc:
-            raise StoreError(f"cannot map outbox segment {path}: {exc}") from exc
+            raise os_error(exc, f"outbox segment {path}") from exc
         return _Segment(number=number, path=path, size=size, mm=mm, addr=_address(mm))
 
-    def _scan(self, seg: _Segment) -> None:
-        mm, off, end = seg.mm, 0, seg.size
-        while off + _HEADER.size <= end:
-            size, crc = _HEADER.unpack_from(mm, off)
-            if size == 0:
-                break
-            if off + 8 + size > end or zlib.crc32(mm[off + 8 : off + 8 + size]) != crc:
-                log.warning("outbox_torn_record", segment=seg.number, offset=off)
-                break
-            off += 8 + size
-            seg.appended += 1
-        seg.offset = off
 
-    def _drop(self, seg: _Segment) -> None:
-        seg.close()
-        seg.path.unlink(missing_ok=True)
+class OutboxBusyError(StoreError):
+    """Another live process holds this outbox directory."""
+
+
+def _valid_at(mm: mmap.mmap, off: int, end: int) -> int:
+    """The length of the record at ``off`` when a whole, intact record is there, else -1."""
+    if off + HEADER_BYTES > end:
+        return -1
+    magic, size, crc, info = _HEAD.unpack_from(mm, off)
+    if magic != _MAGIC_U32 or size <= 0 or off + HEADER_BYTES + size > end:
+        return -1
+    start = off + HEADER_BYTES
+    if zlib.crc32(mm[start : start + size], zlib.crc32(_INFO.pack(info))) != crc:
+        return -1
+    return size
+
+
+def _next_valid(mm: mmap.mmap, pos: int, end: int) -> int | None:
+    while True:
+        found = mm.find(_MAGIC, pos, end)
+        if found < 0:
+            return None
+        if _valid_at(mm, found, end) >= 0:
+            return found
+        pos = found + 1
+
+
+def _scan(seg: _Segment) -> Iterator[tuple[int, int]]:
+    """Count the segment's intact records; yields each damaged region (start, end).
+
+    A region with no intact record after it is the end of the log: the torn tail of a kill
+    (its commit mark was never written) is silent. A whole header whose bytes do not match is
+    damage even there: a kill cannot leave one.
+    """
+    mm, end = seg.mm, seg.size
+    off = 0
+    while off + HEADER_BYTES <= end:
+        size = _valid_at(mm, off, end)
+        if size >= 0:
+            off += HEADER_BYTES + size
+            seg.appended += 1
+            seg.payload_bytes += size
+            continue
+        nxt = _next_valid(mm, off + 1, end)
+        if nxt is None:
+            magic, size, _, _ = _HEAD.unpack_from(mm, off)
+            if magic == _MAGIC_U32 and 0 < size <= end - off - HEADER_BYTES:
+                yield off, off + HEADER_BYTES + size
+            elif magic or size:
+                log.debug("outbox_torn_tail", segment=str(seg.path), offset=off)
+            break
+        seg.skips[off] = nxt
+        yield off, nxt
+        off = nxt
+    seg.offset = off
+
+
+def _is_legacy(seg: _Segment) -> bool:
+    if seg.size < 4:
+        return False
+    (first,) = struct.unpack_from("<I", seg.mm, 0)
+    return first not in (0, _MAGIC_U32)
+
+
+def _legacy_records(seg: _Segment) -> list[bytes]:
+    """The intact records of a segment an earlier version wrote (``[length][crc][payload]``)."""
+    out, off, mm, end = [], 0, seg.mm, seg.size
+    while off + _LEGACY.size <= end:
+        size, crc = _LEGACY.unpack_from(mm, off)
+        if size == 0 or off + 8 + size > end or zlib.crc32(mm[off + 8 : off + 8 + size]) != crc:
+            break
+        out.append(bytes(mm[off + 8 : off + 8 + size]))
+        off += 8 + size
+    return out
+
+
+def _count_messages(payload: bytes) -> int:
+    try:
+        return len(json.loads(payload)["m"])
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return 0

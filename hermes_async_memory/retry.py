@@ -7,7 +7,15 @@ store or backend is never hammered and never waited on for longer than the cap.
 from __future__ import annotations
 
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+import anyio
+
+from .faults import Fault, classify
+
+T = TypeVar("T")
 
 DEFAULT_BASE_S = 0.05
 DEFAULT_CAP_S = 5.0
@@ -34,3 +42,23 @@ class Backoff:
 
 
 _RNG = random.Random()
+
+
+async def retry_transient(
+    op: Callable[[], Awaitable[T]], backoff: Backoff, *,
+    on_retry: Callable[[BaseException, int, float], None] | None = None,
+) -> T:
+    """Run ``op`` until it succeeds, waiting by ``backoff`` after each transient failure
+    (faults.classify); any other failure is raised at once."""
+    failures = 0
+    while True:
+        try:
+            return await op()
+        except Exception as exc:  # classified: only transient failures are retried
+            if classify(exc) is not Fault.TRANSIENT:
+                raise
+            failures += 1
+            delay = backoff.delay(failures)
+            if on_retry is not None:
+                on_retry(exc, failures, delay)
+            await anyio.sleep(delay)

@@ -39,9 +39,12 @@ class Settings:
     # Group commit: a batch closes at max_batch turns or max_wait_ms after its first turn.
     max_batch: int = 2000
     max_wait_ms: float = 2.0
-    # The in-memory queue of accepted turns. Past either bound the overflow policy applies:
-    # "defer" keeps the turn durable in the outbox and commits it later (the receipt says
-    # deferred); "reject" raises QueueFullError and stores nothing.
+    # A batch also closes at this many bytes of turns (at least one turn, whatever its size).
+    max_batch_bytes: int = 8 * MIB
+    # The backlog: turns accepted and not yet committed (they wait in the outbox on disk, and
+    # cost no memory but their bytes in its mapping). Past either bound the overflow policy
+    # applies: "defer" accepts the turn all the same and its receipt says deferred (the writer
+    # is behind); "reject" raises QueueFullError and stores nothing.
     max_queued_turns: int = 100_000
     max_queued_bytes: int = 256 * MIB
     overflow: OverflowPolicy = "defer"
@@ -49,9 +52,9 @@ class Settings:
     max_turn_bytes: int = 16 * MIB
     # The outbox is a memory-mapped append log split into segments of this size.
     outbox_segment_bytes: int = 16 * MIB
-    # Writer retries: a failing batch is split to isolate a poison turn, which goes to the
-    # dead letters after this many attempts on its own.
-    commit_max_attempts: int = 5
+    # Writer retries: a busy, locked or full store is retried with backoff from this base
+    # (doubling, capped at 5 s); a record the store refuses for a cause of its own goes to the
+    # dead letters at once, alone (its batch is bisected down to it).
     commit_retry_base_s: float = 0.05
     # A replica backend's turns: after this many failed writes a turn is a dead letter of
     # that backend (an outage with the backend's circuit open counts no attempts).
@@ -69,6 +72,8 @@ class Settings:
     frequent_term_ratio: float = 0.02
     frequent_terms_refresh_s: float = 30.0
     max_pending_recalls: int = 10_000
+    # Cache warm-ups waiting (a resumed session's stored turns); past it, requests are shed.
+    max_pending_warms: int = 1_000
     # The prefetch cache: the last few committed turns of a session plus its last recall.
     recent_turns: int = 3
     recent_chars: int = 400
@@ -97,8 +102,9 @@ class Settings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
         positive = (
-            "max_batch", "max_queued_turns", "max_queued_bytes", "max_turn_bytes",
-            "outbox_segment_bytes", "commit_max_attempts", "replica_max_attempts",
+            "max_batch", "max_batch_bytes", "max_pending_warms", "max_queued_turns",
+            "max_queued_bytes", "max_turn_bytes",
+            "outbox_segment_bytes", "replica_max_attempts",
             "recall_workers", "recall_limit",
             "recall_snippet_tokens", "recall_max_terms", "frequent_term_rows",
             "max_pending_recalls", "cache_max_sessions",

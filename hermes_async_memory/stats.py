@@ -11,13 +11,13 @@ _LATENCY_SAMPLES = 4096
 
 @dataclass(frozen=True, slots=True)
 class PipelineStats:
-    """A snapshot of the pipeline's queues and throughput."""
+    """A snapshot of the pipeline's state, queues, bounded structures and throughput."""
 
     accepted_turns: int
     committed_turns: int
-    queued_turns: int
-    queued_bytes: int
-    deferred_turns: int
+    queued_turns: int  # accepted, not yet read by the writer
+    queued_bytes: int  # the bytes of every turn accepted and not yet settled
+    deferred_turns: int  # pending turns past max_queued_turns (the writer is behind)
     oldest_pending_age_s: float
     batches_committed: int
     rows_committed: int
@@ -35,11 +35,31 @@ class PipelineStats:
     dead_letters: int
     sanitized_turns: int
     outbox_segments: int
+    # The state, and what is wrong (see health()).
+    state: str = "open"
+    failure: str | None = None
+    conditions: tuple[str, ...] = ()
+    part_restarts: int = 0
+    # The size of every bounded structure.
+    pending_turns: int = 0  # accepted, not settled
+    recovered_turns: int = 0  # left by an earlier run, found at start
+    cache_entries: int = 0
+    pending_recalls: int = 0
+    recalls_in_flight: int = 0
+    warm_backlog: int = 0
+    warms_shed: int = 0
+    sessions_warmed: int = 0
+    flush_waiters: int = 0
+    # Damaged outbox bytes set aside at start (see the outbox's quarantine folder).
+    quarantined_regions: int = 0
+    quarantined_bytes: int = 0
     # Several processes, one memory (a worker's view; zero elsewhere).
     role: str = "embedded"
     inbox_turns: int = 0
     inbox_oldest_age_s: float = 0.0
     inbox_committed_turns: int = 0
+    leases_lost: int = 0
+    recalls_served: int = 0
     # The replica backend (zero without one): turns it has, waiting, failed for now, dead.
     replicated_turns: int = 0
     replica_pending: int = 0

@@ -470,7 +470,18 @@ class SqliteStore:
             raise
         return conn
 
-    async def aclose(self) -> None:
+    async def checkpoint(self) -> None:
+        await self.writer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    async def forward_refused(self, rows: Sequence[tuple[str, str, float, str, str]]) -> None:
+        raise NotImplementedError("store package pending")
+
+    async def prune_recall_results(self, older_than: float) -> int:
+        cur = await self.writer.execute("DELETE FROM recall_results WHERE updated_at < ?",
+                                        (older_than,))
+        return cur.rowcount
+
+    async def aclose(self, timeout_s: float | None = None) -> None:
         """Close readers, then the writer. Idempotent."""
         readers, self._all_readers = self._all_readers, []
         for conn in reversed(readers):
@@ -647,7 +658,8 @@ class SqliteStore:
         params = {"owner": owner, "until": now + lease_s, "now": now, "limit": limit}
         async with self.writer.execute(_CLAIM, params) as cur:
             rows = await cur.fetchall()
-        return sorted((int(r[0]), str(r[1]), str(r[2]), float(r[3]), str(r[4])) for r in rows)
+        return sorted((int(r[0]), str(r[1]), str(r[2]), float(r[3]), str(r[4]), None)
+                      for r in rows)
 
     async def lease_owners(self) -> list[str]:
         """The workers holding live claims on inbox turns."""

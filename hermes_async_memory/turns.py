@@ -15,6 +15,14 @@ from .errors import InvalidTurnError
 MessageRow = tuple[str, str, "str | None", "str | None", "str | None"]
 
 _TEXT_KEPT = 2000  # characters of the user and assistant text kept for the prefetch cache
+# Metadata and tool calls nest at most this deep. Deeper JSON is refused at sync_turn: past a
+# few hundred levels Python's JSON reader and SQLite's JSON functions fail on it, and a turn
+# must never be accepted that no part of the store can read back.
+MAX_NESTING = 32
+# Token counts in metadata are summed into each session's counters; a value this size can
+# never overflow them (2**31 * 2**32 turns < 2**63), a larger one could stall its batch.
+MAX_TOKENS = 2**31 - 1
+_TOKEN_KEYS = ("input_tokens", "output_tokens")
 
 _esc = encode_basestring_ascii  # a str as a JSON string literal, ASCII only (C)
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False)
@@ -37,8 +45,7 @@ class Turn(NamedTuple):
 
     ``payload`` is the turn as JSON: the outbox record, and what the writer hands SQLite
     (one text parameter per batch, unpacked by ``json_each`` in C). Everything else is the
-    few plain values the writer and the cache need, so a queued turn packs into a flat tuple
-    of atomic values (see ``pack``).
+    few plain values the writer, the cache and the backends read, taken from it once.
     """
 
     key: str
@@ -49,7 +56,6 @@ class Turn(NamedTuple):
     payload: str
     nbytes: int
     segment: int
-    accepted_mono: float
     n_messages: int
     tool_calls: int
     user_text: str
@@ -64,55 +70,45 @@ class Turn(NamedTuple):
     @classmethod
     def build(
         cls, *, key: str, session_id: str, user_id: str | None, accepted_at: float,
-        messages: Sequence[MessageRow], metadata: Mapping[str, Any] | None,
-        accepted_mono: float = 0.0, segment: int = 0,
+        messages: Sequence[MessageRow], metadata: Mapping[str, Any] | None, segment: int = 0,
     ) -> Turn:
-        """Raises TypeError or ValueError when ``metadata`` is not JSON-serialisable.
-
-        The payload is the JSON of ``{"k", "s", "u", "t", "c", "m", "d"}`` (what ``json.dumps``
-        would write, compact and ASCII), put together from the C string encoder: that is
-        2-3x cheaper than ``json.dumps`` of the dict, and this runs on the caller's thread
-        for every turn.
-        """
-        # ASCII only (non-ASCII as \u escapes, which SQLite's JSON decodes in C): the writer
-        # thread then hands a batch to SQLite without re-encoding a megabyte under the GIL.
-        # Single quotes are written as the JSON escape \u0027, so a batch of payloads joined
-        # is already a valid SQL string literal between two quotes (see store.Batch).
-        # allow_nan=False in the metadata: NaN is not JSON, and SQLite would refuse the batch.
-        payload = _DOC % (
-            _esc(key), _esc(session_id), _NULL if user_id is None else _esc(user_id),
-            accepted_at, _esc(scope_tokens(user_id, session_id)),
-            ",".join([
-                f"[{_esc(m[0])},{_esc(m[1])},{_NULL if m[2] is None else _esc(m[2])},"
-                f"{_NULL if m[3] is None else _esc(m[3])},{_NULL if m[4] is None else _esc(m[4])}]"
-                for m in messages
-            ]),
-            _NULL if metadata is None else _ENCODER.encode(metadata),
-        )
-        if "'" in payload:
-            payload = payload.replace("'", "\\u0027")
+        """Raises TypeError or ValueError when ``metadata`` is not JSON-serialisable."""
+        payload = encode_payload(key, session_id, user_id, accepted_at, messages, metadata)
         return cls._fields_of(key, session_id, user_id, accepted_at, messages, metadata,
-                              payload, segment=segment, accepted_mono=accepted_mono, nbytes=0)
+                              payload, segment=segment, nbytes=len(payload))
 
     @classmethod
-    def decode(cls, record: bytes, segment: int = 0, accepted_mono: float = 0.0) -> Turn:
-        """The turn an outbox record holds."""
-        payload = record.decode("utf-8")
-        return cls._of(json.loads(payload), payload, segment=segment,
-                       accepted_mono=accepted_mono, nbytes=len(record))
+    def decode(cls, record: bytes | str, segment: int = 0, seq: int = 0) -> Turn:
+        """The turn an outbox record (its JSON) holds.
 
-    @classmethod
-    def _of(cls, doc: Mapping[str, Any], payload: str, *, segment: int, accepted_mono: float,
-            nbytes: int = 0) -> Turn:
-        return cls._fields_of(doc["k"], doc["s"], doc["u"], doc["t"], doc["m"], doc["d"],
-                              payload, segment=segment, accepted_mono=accepted_mono,
-                              nbytes=nbytes)
+        Raises:
+            ValueError: the record is not a turn's JSON (also UnicodeDecodeError,
+                json.JSONDecodeError); KeyError, TypeError: a field is missing or mistyped;
+                RecursionError: it nests too deep to read.
+        """
+        payload = record.decode("ascii") if isinstance(record, bytes) else record
+        doc = json.loads(payload)
+        if not isinstance(doc, dict):
+            raise TypeError("the record is not a JSON object")
+        key, session_id, user_id, at = doc["k"], doc["s"], doc["u"], doc["t"]
+        if not isinstance(key, str) or not isinstance(session_id, str):
+            raise TypeError("the record's key or session id is not a string")
+        if user_id is not None and not isinstance(user_id, str):
+            raise TypeError("the record's user id is not a string")
+        if not isinstance(at, (int, float)) or not isinstance(doc["m"], list):
+            raise TypeError("the record's time or messages are mistyped")
+        for m in doc["m"]:
+            if not isinstance(m, list) or len(m) != 5 or not isinstance(m[0], str):
+                raise TypeError("a message of the record is mistyped")
+        turn = cls._fields_of(key, session_id, user_id, float(at), doc["m"], doc["d"],
+                              payload, segment=segment, nbytes=len(payload))
+        return turn._replace(seq=seq) if seq else turn
 
     @classmethod
     def _fields_of(
         cls, key: str, session_id: str, user_id: str | None, accepted_at: float,
         messages: Sequence[Sequence[Any]], metadata: Mapping[str, Any] | None, payload: str,
-        *, segment: int, accepted_mono: float, nbytes: int,
+        *, segment: int, nbytes: int,
     ) -> Turn:
         user = assistant = ""
         tool_calls = 0
@@ -129,7 +125,7 @@ class Turn(NamedTuple):
                 continue
             if m[2]:
                 tool_calls += 1
-        if metadata:
+        if isinstance(metadata, Mapping) and metadata:
             md = metadata
             source, model, parent = (_str(md.get("source")), _str(md.get("model")),
                                      _str(md.get("parent_session_id")))
@@ -139,8 +135,8 @@ class Turn(NamedTuple):
             tokens_in = tokens_out = 0
         # Positional tuple.__new__: a 19-field NamedTuple built by keyword costs ~1.5 µs.
         return tuple.__new__(cls, (
-            key, 0, session_id, user_id, accepted_at, payload, nbytes, segment, accepted_mono,
-            len(messages), tool_calls, user[:_TEXT_KEPT], assistant[:_TEXT_KEPT],
+            key, 0, session_id, user_id, accepted_at, payload, nbytes, segment, len(messages),
+            tool_calls, user[:_TEXT_KEPT], assistant[:_TEXT_KEPT],
             source, model, parent, tokens_in, tokens_out,
             "\\u0000" in payload,
         ))
@@ -158,18 +154,89 @@ class Turn(NamedTuple):
         md: dict[str, Any] | None = json.loads(self.payload)["d"]
         return md
 
-    def pack(self) -> tuple[Any, ...]:
-        """A plain tuple of atomic values: the form a turn waits in the queue in.
-
-        The cyclic collector untracks a plain tuple of atomic values the first time it sees
-        it, and never a NamedTuple; so a backlog adds nothing to full collections, which
-        stall the event loop ~0.4 ms per thousand tracked objects.
-        """
-        return tuple(self)
+    def with_seq(self, seq: int) -> Turn:
+        return self._replace(seq=seq)
 
     @classmethod
-    def unpack(cls, flat: tuple[Any, ...]) -> Turn:
-        return tuple.__new__(cls, flat)
+    def stub(cls, key: str, session_id: str, *, seq: int = 0, segment: int = 0,
+             accepted_at: float = 0.0) -> Turn:
+        """A turn that holds only where it came from: for a record that does not decode."""
+        return tuple.__new__(cls, (key, seq, session_id, None, accepted_at, "", 0, segment, 0,
+                                   0, "", "", None, None, None, 0, 0, False))
+
+
+def encode_payload(
+    key: str, session_id: str, user_id: str | None, accepted_at: float,
+    messages: Sequence[MessageRow], metadata: Mapping[str, Any] | None,
+) -> str:
+    """A turn's JSON: ``{"k", "s", "u", "t", "c", "m", "d"}``, compact and ASCII, as
+    ``json.dumps`` would write it, put together from the C string encoder (2-3x cheaper than
+    ``json.dumps`` of the dict; this runs on the caller's thread for every turn).
+
+    ASCII only (non-ASCII as \\u escapes, which SQLite's JSON decodes in C): the writer thread
+    hands a batch to SQLite without re-encoding a megabyte under the GIL. Single quotes are
+    written as the JSON escape \\u0027, so a batch of payloads joined is already a valid SQL
+    string literal between two quotes (see store.Batch). NaN is refused (it is not JSON).
+
+    Raises:
+        TypeError, ValueError: ``metadata`` is not JSON-serialisable.
+    """
+    payload = _DOC % (
+        _esc(key), _esc(session_id), _NULL if user_id is None else _esc(user_id),
+        accepted_at, _esc(scope_tokens(user_id, session_id)),
+        ",".join([
+            f"[{_esc(m[0])},{_esc(m[1])},{_NULL if m[2] is None else _esc(m[2])},"
+            f"{_NULL if m[3] is None else _esc(m[3])},{_NULL if m[4] is None else _esc(m[4])}]"
+            for m in messages
+        ]),
+        _NULL if metadata is None else _ENCODER.encode(metadata),
+    )
+    if "'" in payload:
+        payload = payload.replace("'", "\\u0027")
+    return payload
+
+
+def check_metadata(metadata: object) -> dict[str, Any] | None:
+    """A copy of ``metadata`` that the store can hold, or None.
+
+    Raises:
+        InvalidTurnError: not a mapping, nested deeper than ``MAX_NESTING``, or a token count
+            that is not an integer from 0 to ``MAX_TOKENS``.
+    """
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise InvalidTurnError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    if not metadata:
+        return None
+    md = dict(metadata)
+    for name in _TOKEN_KEYS:
+        value = md.get(name)
+        if value is None:
+            continue
+        if (not isinstance(value, int) or isinstance(value, bool)
+                or not 0 <= value <= MAX_TOKENS):
+            raise InvalidTurnError(
+                f"metadata.{name} must be an integer from 0 to {MAX_TOKENS}, got {value!r:.40}")
+    check_nesting("metadata", md)
+    return md
+
+
+def check_nesting(name: str, value: object, limit: int = MAX_NESTING) -> None:
+    """Raises InvalidTurnError when ``value`` nests lists and dicts deeper than ``limit``."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            raise InvalidTurnError(f"{name} nests deeper than {limit} levels")
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (Mapping, list, tuple)))
 
 
 def _str(value: object) -> str | None:
@@ -210,6 +277,11 @@ def check_id(name: str, value: object, *, optional: bool = False) -> str | None:
         raise InvalidTurnError(f"{name} is longer than 512 characters")
     if "\x00" in value:
         raise InvalidTurnError(f"{name} holds a NUL character")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidTurnError(f"{name} holds a lone surrogate") from exc
     return value
 
 
@@ -264,6 +336,8 @@ def _row(i: int, m: Mapping[str, Any]) -> MessageRow:
         raise InvalidTurnError(f"messages[{i}] has no role")
     content = text_of(f"messages[{i}].content", m.get("content"))
     tool_calls = m.get("tool_calls")
+    if tool_calls:
+        check_nesting(f"messages[{i}].tool_calls", tool_calls)
     try:
         calls_json = json.dumps(tool_calls, ensure_ascii=False) if tool_calls else None
     except (TypeError, ValueError) as exc:

@@ -54,10 +54,10 @@ async def test_concurrent_sessions_store_every_turn_once_in_order(settings: Sett
             for n in range(TURNS):
                 expected += [("user", f"s{i} question {n}"), ("assistant", f"s{i} answer {n}")]
             assert [(role, content) for _, role, content in rows] == expected, f"session s{i}"
-            block = mem.prefetch("anything", session_id=f"s{i}")
+            block = mem.prefetch("anything", session_id=f"s{i}", user_id=f"u{i % 50}")
             assert f"s{i} question {TURNS - 1}" in block
             assert f"s{i} answer {TURNS - 1}" in block
-            status = mem.prefetch_status(f"s{i}")
+            status = mem.prefetch_status(f"s{i}", user_id=f"u{i % 50}")
             assert status.turns_committed == TURNS
         keys = Counter(key for rows in stored.values() for key, _, _ in rows)
         assert len(keys) == SESSIONS * TURNS
@@ -82,14 +82,13 @@ async def test_queue_prefetch_fills_the_cache_for_the_next_turn(mem: MemoryPipel
     mem.sync_turn("my cat is called Mittens", "noted", session_id="old", user_id="bob")
     mem.sync_turn("unrelated chatter", "sure", session_id="new", user_id="bob")
     await mem.flush()
-    assert "Mittens" not in mem.prefetch("", session_id="new")
+    assert "Mittens" not in mem.prefetch("", session_id="new", user_id="bob")
     mem.queue_prefetch("what is my cat called", session_id="new", user_id="bob")
-    with anyio.fail_after(10):
-        while mem.prefetch_status("new").recall_query is None:
-            await anyio.lowlevel.checkpoint()
-    block = mem.prefetch("what is my cat called", session_id="new")
+    await mem.wait_until(
+        lambda: mem.prefetch_status("new", user_id="bob").recall_query is not None, timeout=10)
+    block = mem.prefetch("what is my cat called", session_id="new", user_id="bob")
     assert "Mittens" in block
-    status = mem.prefetch_status("new")
+    status = mem.prefetch_status("new", user_id="bob")
     assert status.recall_query == "what is my cat called"
     assert status.source == "local" and not status.stale
 
@@ -105,12 +104,11 @@ async def test_newer_query_replaces_an_older_one_not_started(mem: MemoryPipeline
     mem.sync_turn("bananas are yellow", "yes", session_id="s", user_id="u")
     await mem.flush()
     # Both queued before the recall workers get the loop: only the newer one runs.
-    mem.queue_prefetch("apples", session_id="s")
-    mem.queue_prefetch("bananas", session_id="s")
-    with anyio.fail_after(10):
-        while mem.prefetch_status("s").recall_query is None:
-            await anyio.lowlevel.checkpoint()
-    assert mem.prefetch_status("s").recall_query == "bananas"
+    mem.queue_prefetch("apples", session_id="s", user_id="u")
+    mem.queue_prefetch("bananas", session_id="s", user_id="u")
+    await mem.wait_until(
+        lambda: mem.prefetch_status("s", user_id="u").recall_query is not None, timeout=10)
+    assert mem.prefetch_status("s", user_id="u").recall_query == "bananas"
     assert mem.stats().recalls_run == 1
 
 
@@ -129,19 +127,22 @@ async def test_identical_recalls_in_flight_are_shared(settings: Settings) -> Non
         mem.sync_turn("the deploy key rotates weekly", "ok", session_id="s1", user_id="team")
         mem.sync_turn("hi", "hi", session_id="s2", user_id="team")
         await mem.flush()
-        mem.queue_prefetch("deploy key", session_id="s1")
-        await started.wait()
+        mem.queue_prefetch("deploy key", session_id="s1", user_id="team")
+        with anyio.fail_after(10):
+            await started.wait()
         mem.queue_prefetch("deploy key", session_id="s2", user_id="team")
+        # The second recall finds the first in flight and waits on it: nothing changes in the
+        # cache until the search is released, so nothing to wait on but the count.
         with anyio.fail_after(10):
             while mem.stats().recalls_shared == 0:
                 await anyio.lowlevel.checkpoint()
         release.set()
-        with anyio.fail_after(10):
-            while mem.prefetch_status("s2").recall_query is None:
-                await anyio.lowlevel.checkpoint()
+        await mem.wait_until(
+            lambda: mem.prefetch_status("s2", user_id="team").recall_query is not None,
+            timeout=10)
         assert mem.stats().recalls_run == 1
-        assert "deploy key rotates" in mem.prefetch("", session_id="s1")
-        assert "deploy key rotates" in mem.prefetch("", session_id="s2")
+        assert "deploy key rotates" in mem.prefetch("", session_id="s1", user_id="team")
+        assert "deploy key rotates" in mem.prefetch("", session_id="s2", user_id="team")
 
 
 async def test_full_queue_defers_durably_and_keeps_order(tmp_path: Path) -> None:
@@ -315,11 +316,12 @@ async def test_a_recall_queued_right_after_a_turn_finds_that_turn(mem: MemoryPip
     # No flush in between: the recall waits for the turns accepted before it was queued.
     mem.sync_turn("my flight to Lisbon leaves at 7", "noted", session_id="trip", user_id="eve")
     mem.queue_prefetch("when is my Lisbon flight", session_id="trip", user_id="eve")
-    with anyio.fail_after(10):
-        while mem.prefetch_status("trip").recall_query is None:
-            await anyio.lowlevel.checkpoint()
-    assert "Related memory" in mem.prefetch("", session_id="trip")
-    assert "Lisbon" in mem.prefetch("", session_id="trip").split("Related memory")[1]
+    await mem.wait_until(
+        lambda: mem.prefetch_status("trip", user_id="eve").recall_query is not None, timeout=10)
+    # The recall found the turn; the block does not repeat what its recent turns show.
+    assert mem.stats().recalls_run == 1
+    block = mem.prefetch("", session_id="trip", user_id="eve")
+    assert block.count("my flight to Lisbon leaves at 7") == 1
 
 
 async def test_shutdown_keeps_its_deadline_when_the_store_is_locked(tmp_path: Path) -> None:
@@ -367,22 +369,24 @@ async def test_a_resumed_session_gets_its_stored_recent_turns_back(tmp_path: Pat
             first.sync_turn(f"question {n} about the boiler", f"answer {n}",
                             session_id="resumed", user_id="ada")
     async with MemoryPipeline(settings) as second:  # a new process: the cache is empty
-        assert second.prefetch("", session_id="resumed") == ""
-        second.warm("resumed")
-        with anyio.fail_after(10):  # the warm-up has no event to await: poll the cache
-            while "boiler" not in second.prefetch("", session_id="resumed"):  # noqa: ASYNC110
-                await anyio.sleep(0.01)
-        block = second.prefetch("", session_id="resumed")
+        assert second.prefetch("", session_id="resumed", user_id="ada") == ""
+        second.warm("resumed", user_id="ada")
+        await second.wait_until(
+            lambda: "boiler" in second.prefetch("", session_id="resumed", user_id="ada"),
+            timeout=10)
+        block = second.prefetch("", session_id="resumed", user_id="ada")
         assert "question 1" in block and "question 2" in block and "answer 2" in block
         assert "question 0" not in block, "only the last recent_turns turns"
-        status = second.prefetch_status("resumed")
+        status = second.prefetch_status("resumed", user_id="ada")
         assert status.turns_committed == 2
+        # Another user's session of the same name is not theirs to see.
+        assert second.prefetch("", session_id="resumed", user_id="bob") == ""
         # A queued recall for another resumed session warms it first, too.
         second.queue_prefetch("boiler", session_id="other", user_id="ada")
-        with anyio.fail_after(10):
-            while second.stats().recalls_run == 0:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
-        assert "boiler" in second.prefetch("", session_id="other")
+        await second.wait_until(
+            lambda: second.prefetch_status("other", user_id="ada").recall_query is not None,
+            timeout=10)
+        assert "boiler" in second.prefetch("", session_id="other", user_id="ada")
 
 
 async def test_a_resumed_session_keeps_its_history_when_a_new_turn_comes_first(
@@ -396,9 +400,8 @@ async def test_a_resumed_session_keeps_its_history_when_a_new_turn_comes_first(
         second.sync_turn("new question", "new answer", session_id="r")
         await second.flush()
         second.queue_prefetch("question", session_id="r")  # warms the session first
-        with anyio.fail_after(10):  # the recaller has no event to await: poll its count
-            while second.stats().recalls_run == 0:  # noqa: ASYNC110
-                await anyio.sleep(0.01)
+        await second.wait_until(
+            lambda: second.prefetch_status("r").recall_query is not None, timeout=10)
         block = second.prefetch("", session_id="r")
         assert block.index("old question 0") < block.index("old question 1") < \
             block.index("new question"), "stored history first, then this process's turn"

@@ -14,7 +14,8 @@ import time
 import unicodedata
 from collections.abc import Iterable, Sequence
 
-from .store import Hit
+from ..store import Hit
+from .cache import RECALL_HEADER
 
 _WORD = re.compile(r"\w+")
 MAX_QUERY_CHARS = 4096
@@ -66,4 +67,4 @@ def render_hits(hits: Iterable[Hit], *, now: float | None = None) -> str:
         lines.append(f"- [{day} {h.role}] {snippet}")
     if not lines:
         return ""
-    return "Related memory:\n" + "\n".join(lines)
+    return RECALL_HEADER + "\n" + "\n".join(lines)

@@ -1,20 +1,27 @@
 """The prefetch cache: what prefetch() answers from, with no I/O and no locks.
 
-An entry holds a session's last few committed turns (refreshed by every commit, so a session
-always recalls its own latest turns) and the block of its last recall. The rendered text is
-built on first read after a change and kept, so a warm prefetch is one dict lookup.
+An entry belongs to one (user, session): two users who send the same session id (say
+"default") never see each other's turns. It holds the session's last few committed turns
+(refreshed by every commit, so a session always recalls its own latest turns) and the block
+of its last recall. The rendered text is built on first read after a change and kept, so a
+warm prefetch is one dict lookup.
 
-Reads may come from any thread; writes come from the event loop. Single dict and attribute
-operations are atomic under the GIL; a writer bumps an entry's version after each change and a
-reader keeps its rendering only tagged with the version it rendered, so a render that raced a
-change is never served after it.
+Reads may come from any thread; writes come from the event loop. Single dict operations are
+atomic under the GIL, and an entry is never taken out of the dict to be moved (the LRU order
+is kept with ``OrderedDict.move_to_end``), so a reader never misses an entry that is there.
+A writer bumps an entry's version after each change and a reader keeps its rendering only
+tagged with the version it rendered, so a render that raced a change is never served after it.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+CacheKey = tuple[str | None, str]  # (user id, session id)
+RECALL_HEADER = "Related memory:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +30,7 @@ class PrefetchStatus:
 
     session_id: str
     cached: bool
+    user_id: str | None = None
     last_turn_key: str | None = None
     turns_committed: int = 0
     committed_age_s: float | None = None
@@ -34,7 +42,6 @@ class PrefetchStatus:
 
 @dataclass(slots=True)
 class _Entry:
-    user_id: str | None
     recent: deque[tuple[str, str, str]]  # (turn key, user text, assistant text)
     last_turn_key: str | None = None
     turns_committed: int = 0
@@ -50,25 +57,30 @@ class _Entry:
 
 
 class RecallCache:
-    """Per-session prefetch blocks, bounded; the least recently written entry goes first."""
+    """Per-(user, session) prefetch blocks, bounded; the least recently written goes first."""
 
     def __init__(self, *, max_sessions: int, recent_turns: int, recent_chars: int,
-                 clock: object = time.monotonic) -> None:
-        self._entries: dict[str, _Entry] = {}
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._entries: OrderedDict[CacheKey, _Entry] = OrderedDict()
         self._max = max_sessions
         self._recent_turns = recent_turns
         self._recent_chars = recent_chars
         self._clock = clock
         self.hits = 0
         self.misses = 0
+        # Called after every change (event-loop thread): the pipeline wakes its waiters.
+        self.on_change: Callable[[], None] = _nothing
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
     # -- reads (any thread) ------------------------------------------------------------
 
-    def get(self, session_id: str) -> str:
-        entry = self._entries.get(session_id)
+    def get(self, user_id: str | None, session_id: str) -> str:
+        entry = self._entries.get((user_id, session_id))
         if entry is None:
             self.misses += 1
             return ""
@@ -82,18 +94,15 @@ class RecallCache:
         self.hits += 1
         return text
 
-    def user_of(self, session_id: str) -> str | None:
-        entry = self._entries.get(session_id)
-        return entry.user_id if entry is not None else None
-
-    def status(self, session_id: str) -> PrefetchStatus:
-        entry = self._entries.get(session_id)
+    def status(self, user_id: str | None, session_id: str) -> PrefetchStatus:
+        entry = self._entries.get((user_id, session_id))
         if entry is None:
-            return PrefetchStatus(session_id=session_id, cached=False)
-        now = self._now()
+            return PrefetchStatus(session_id=session_id, cached=False, user_id=user_id)
+        now = self._clock()
         return PrefetchStatus(
             session_id=session_id,
             cached=True,
+            user_id=user_id,
             last_turn_key=entry.last_turn_key,
             turns_committed=entry.turns_committed,
             committed_age_s=None if entry.committed_mono is None else now - entry.committed_mono,
@@ -103,42 +112,41 @@ class RecallCache:
             stale=entry.recall_stale,
         )
 
+    def needs_warm(self, user_id: str | None, session_id: str) -> bool:
+        """Whether the session's stored turns from before this process were never looked up."""
+        entry = self._entries.get((user_id, session_id))
+        return entry is None or not entry.warmed
+
     # -- writes (event loop) -----------------------------------------------------------
 
-    def note_commit(self, session_id: str, user_id: str | None, key: str,
+    def note_commit(self, user_id: str | None, session_id: str, key: str,
                     user_text: str, assistant_text: str, now: float) -> None:
-        entry = self._touch(session_id, user_id)
+        entry = self._touch((user_id, session_id))
         limit = self._recent_chars
         entry.recent.append((key, _clip(user_text, limit), _clip(assistant_text, limit)))
         entry.last_turn_key = key
         entry.turns_committed += 1
         entry.committed_mono = now
         entry.version += 1
+        self.on_change()
 
-    def __contains__(self, session_id: object) -> bool:
-        return session_id in self._entries
-
-    def needs_warm(self, session_id: str) -> bool:
-        """Whether the session's stored turns from before this process were never looked up."""
-        entry = self._entries.get(session_id)
-        return entry is None or not entry.warmed
-
-    def warm(self, session_id: str, turns: list[tuple[str, str | None, str, str]],
-             now: float) -> bool:
-        """Merge a session's stored recent turns (oldest first: key, user id, user text,
-        assistant text) in front of what this process committed for it since. Returns
-        whether the session's block changed."""
-        entry = self._entries.get(session_id)
+    def warm(self, user_id: str | None, session_id: str,
+             turns: list[tuple[str, str, str]], now: float) -> bool:
+        """Merge a session's stored recent turns (oldest first: key, user text, assistant
+        text) in front of what this process committed for it since. Returns whether the
+        session's block changed."""
+        key = (user_id, session_id)
+        entry = self._entries.get(key)
         fresh = entry is None
         if entry is None:
             if not turns:
                 return False
-            entry = self._touch(session_id, turns[-1][1])
+            entry = self._touch(key)
         if entry.warmed:
             return False
         entry.warmed = True
         have = {item[0] for item in entry.recent}
-        older = [(key, user, assistant) for key, _, user, assistant in turns if key not in have]
+        older = [t for t in turns if t[0] not in have]
         if not older:
             return False
         limit = self._recent_chars
@@ -152,9 +160,10 @@ class RecallCache:
             entry.turns_committed = len(older)
         # Otherwise the entry reflects this process's commits; their count and last turn stay.
         entry.version += 1
+        self.on_change()
         return True
 
-    def set_recall(self, session_id: str, user_id: str | None, query: str, block: str,
+    def set_recall(self, user_id: str | None, session_id: str, query: str, block: str,
                    *, source: str = "local", fallback: bool = False) -> None:
         """A recall's block for the session's next prefetch.
 
@@ -162,44 +171,66 @@ class RecallCache:
         holds a good block from the backend, that block stays, marked stale (its age keeps
         growing); otherwise the local block is served.
         """
-        entry = self._touch(session_id, user_id)
+        entry = self._touch((user_id, session_id))
         if fallback and entry.recall_block and entry.recall_source != "local":
             entry.recall_stale = True
+            self.on_change()
             return
         entry.recall_block = block
         entry.recall_query = query
-        entry.recall_mono = self._now()
+        entry.recall_mono = self._clock()
         entry.recall_source = source
         entry.recall_stale = False
         entry.version += 1
+        self.on_change()
 
-    def _touch(self, session_id: str, user_id: str | None) -> _Entry:
+    def _touch(self, key: CacheKey) -> _Entry:
         entries = self._entries
-        entry = entries.pop(session_id, None)
+        entry = entries.get(key)
         if entry is None:
-            entry = _Entry(user_id=user_id, recent=deque(maxlen=self._recent_turns or 1))
-            if len(entries) >= self._max:
-                entries.pop(next(iter(entries)))
-        elif user_id and not entry.user_id:
-            entry.user_id = user_id
-        entries[session_id] = entry  # re-inserted last: dict order is the eviction order
+            entry = _Entry(recent=deque(maxlen=self._recent_turns or 1))
+            entries[key] = entry
+            while len(entries) > self._max:
+                entries.popitem(last=False)
+        else:
+            entries.move_to_end(key)  # in place: a reader on another thread still finds it
         return entry
-
-    def _now(self) -> float:
-        return self._clock()  # type: ignore[operator,no-any-return]
 
     def _render(self, entry: _Entry) -> str:
         parts = []
+        shown = ""
         if self._recent_turns and entry.recent:
             lines = ["Recent turns in this session:"]
             for _, user, assistant in tuple(entry.recent):
                 lines.append(f"- user: {user}")
                 if assistant:
                     lines.append(f"- assistant: {assistant}")
-            parts.append("\n".join(lines))
+            shown = "\n".join(lines)
+            parts.append(shown)
         if entry.recall_block:
-            parts.append(entry.recall_block)
+            block = _without_shown(entry.recall_block, shown) if shown else entry.recall_block
+            if block:
+                parts.append(block)
         return "\n\n".join(parts)
+
+
+def _nothing() -> None:
+    return None
+
+
+def _without_shown(block: str, shown: str) -> str:
+    """The recall block without the hits whose text the recent turns already show."""
+    lines = block.split("\n")
+    if lines[0] != RECALL_HEADER:
+        return block  # a backend's block: its own format
+    kept = []
+    for line in lines[1:]:
+        _, sep, text = line.partition("] ")
+        core = " ".join(text.replace("…", " ").split())
+        if sep and core and core in shown:
+            continue
+        kept.append(line)
+    return "\n".join([RECALL_HEADER, *kept]) if kept else ""
 
 
 def _clip(text: str, limit: int) -> str:

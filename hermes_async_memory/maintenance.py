@@ -1,0 +1,148 @@
+"""Upkeep, off the accept path and off the event loop's back.
+
+Every second (sooner when the writer asks for a spare segment):
+- the outbox: the next segment created ahead of need, settled segments deleted, pages ahead
+  of the tail faulted in — file I/O, all of it in a worker thread;
+- the store (a process that commits): done keys of deleted segments forgotten, the frequent
+  terms re-read, a WAL checkpoint once a full disk has room again, old recall results pruned;
+- shared mode (a worker): the inbox's depth, what gone producers left handed in, old done
+  keys of inbox turns forgotten;
+- the replica backend's backlog counted.
+
+A full disk is a condition health shows while it lasts; once a spare segment can be made
+again it clears, and writing goes on in the same process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+import structlog
+
+from .errors import describe
+from .faults import Fault, classify, is_disk_full
+from .outbox import Outbox
+from .settings import Settings
+from .store import SqliteStore
+from .supervisor import Conditions
+
+log = structlog.get_logger(__name__)
+
+EVERY_S = 1.0
+PRUNE_EVERY_S = 60.0  # the pruning deletes scan their tables: not every second
+INBOX_KEYS_KEPT_S = 7 * 24 * 3600.0  # done keys of inbox turns: the duplicate guard's memory
+RESULTS_KEPT_S = 600.0  # a producer polls results within milliseconds; these are long read
+
+
+class Maintenance:
+    """The maintainer: one supervised part running each job in turn."""
+
+    def __init__(self, settings: Settings, store: SqliteStore, outbox: Outbox, *,
+                 conditions: Conditions, commits: bool,
+                 adopt: Callable[[], Awaitable[int]] | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self._settings = settings
+        self._store = store
+        self.outbox = outbox
+        self._conditions = conditions
+        self._commits = commits
+        self._adopt = adopt
+        self._clock = clock
+        self._wall = wall_clock
+        self._poke = asyncio.Event()
+        self._last_pruned = 0
+        self._vocab_next = 0.0
+        self.rows_since_vocab = 0
+        self.inbox_counts: tuple[int, float | None] = (0, None)
+        self.replica_counts = (0, 0)  # (pending, dead)
+        self._was_full = False
+        self._prune_next = 0.0
+
+    def poke(self) -> None:
+        """Run a round soon (the writer saw the outbox tail fill up)."""
+        self._poke.set()
+
+    async def run(self) -> None:
+        while True:
+            with anyio.move_on_after(EVERY_S):
+                await self._poke.wait()
+            self._poke.clear()
+            await self.round()
+
+    async def round(self) -> None:
+        await self._job("outbox", self._outbox)
+        if not self._commits:
+            return  # a producer: the worker keeps the store
+        await self._job("store", self._store_upkeep)
+        if self._adopt is not None:
+            await self._job("shared", self._shared)
+        if self._store.replica is not None:
+            name = self._store.replica
+            await self._job("replica", self._replica_counts(name))
+
+    async def _job(self, name: str, job: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await job()
+        except Exception as exc:  # transient trouble waits for the next round; else it is loud
+            if classify(exc) is not Fault.TRANSIENT:
+                raise
+            if is_disk_full(exc):
+                self._conditions.set("disk_full", describe(exc))
+                self._was_full = True
+            log.warning("maintenance_retry", job=name, error=describe(exc))
+
+    async def _outbox(self) -> None:
+        outbox = self.outbox
+        if outbox.needs_spare():
+            await anyio.to_thread.run_sync(outbox.prepare_spare)
+        if "disk_full" in self._conditions and not outbox.needs_spare():
+            self._conditions.clear("disk_full")
+        await anyio.to_thread.run_sync(outbox.reap)
+        plan = outbox.prefault_plan()
+        if plan:
+            await anyio.to_thread.run_sync(Outbox.prefault, plan)
+
+    async def _store_upkeep(self) -> None:
+        store, s = self._store, self._settings
+        if self._was_full and "disk_full" not in self._conditions:
+            # Room again: give back what the WAL grew to while the disk was full.
+            await store.checkpoint()
+            self._was_full = False
+        self._prune_next = 0.0
+        oldest = self.outbox.oldest_segment()
+        if oldest > self._last_pruned:
+            await store.prune_outbox(oldest)
+            self._last_pruned = oldest
+        if self.rows_since_vocab and self._clock() >= self._vocab_next:
+            await self.refresh_vocab()
+        if self._clock() >= self._prune_next:
+            self._prune_next = self._clock() + PRUNE_EVERY_S
+            if s.role == "worker":
+                await store.prune_recall_results(self._wall() - RESULTS_KEPT_S)
+                await store.prune_inbox_keys(self._wall() - INBOX_KEYS_KEPT_S)
+
+    async def refresh_vocab(self) -> None:
+        """Re-read the frequent terms; the scan grows with the store, so its own duration
+        spaces the next one out (at most ~1 % of one reader's time)."""
+        s = self._settings
+        self.rows_since_vocab = 0
+        started = self._clock()
+        terms = await self._store.refresh_frequent_terms(s.frequent_term_rows,
+                                                         s.frequent_term_ratio)
+        took = self._clock() - started
+        self._vocab_next = self._clock() + max(s.frequent_terms_refresh_s, took * 100)
+        log.debug("frequent_terms_refreshed", terms=len(terms), duration_ms=round(took * 1e3, 2))
+
+    async def _shared(self) -> None:
+        assert self._adopt is not None
+        self.inbox_counts = await self._store.inbox_counts()
+        await self._adopt()
+
+    def _replica_counts(self, name: str) -> Callable[[], Awaitable[None]]:
+        async def count() -> None:
+            self.replica_counts = await self._store.replica_counts(name)
+        return count

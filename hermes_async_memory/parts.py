@@ -1,0 +1,266 @@
+"""The pipeline's parts, put together for the process's role, and taken apart at close.
+
+    role       writer sources        writer sink    recaller         role-only parts
+    embedded   outbox                store          LocalRecaller    -
+    producer   outbox (own slot)     ForwardSink    RemoteRecaller   ResultsPoller
+    worker     outbox, inbox         store          LocalRecaller    RecallServer, slot hand-in
+
+That table is the only place the role matters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from .errors import PipelineFailedError, describe
+from .maintenance import Maintenance
+from .outbox import Outbox, Recovery
+from .recall.query import query_terms
+from .recall.service import LocalRecaller, RecallService
+from .replicator import Replicator
+from .retry import Backoff
+from .settings import Settings
+from .shared.inbox import InboxSource, lease_owner
+from .shared.recall import RecallServer, RemoteRecaller, ResultsPoller
+from .shared.slots import ProducerSlots
+from .sinks import ForwardSink, StoreSink
+from .sources import OutboxSource
+from .stats import PipelineStats, percentile
+from .supervisor import Supervisor
+from .turns import Turn, scope_token_for
+from .writer import CHUNK, Source, TimeSlice, Writer
+
+if TYPE_CHECKING:
+    from .pipeline import MemoryPipeline
+
+log = structlog.get_logger(__name__)
+
+# Recall requests from producers a worker serves at once (each may wait out its barrier).
+RECALL_SERVER_CONCURRENCY = 16
+WARM_WORKERS = 2
+
+
+@dataclass
+class Parts:
+    """Everything ``start()`` built; the pipeline's calls reach the parts through this."""
+
+    pipeline: MemoryPipeline
+    outbox: Outbox
+    recovery: Recovery
+    writer: Writer
+    recall: RecallService
+    local: LocalRecaller
+    maintenance: Maintenance
+    supervisor: Supervisor
+    inbox: InboxSource | None = None
+    replicator: Replicator | None = None
+    server: RecallServer | None = None
+    slots: ProducerSlots | None = None
+    slot: int | None = None
+    counts: dict[str, int] = field(default_factory=dict)
+
+    async def committed(self, turns: Sequence[Turn], source: Source) -> None:
+        """After each commit: the cache's recent turns, the meters, the replicator."""
+        p = self.pipeline
+        now = p.clock()
+        wall = time.time()
+        note = p.cache.note_commit
+        lat = p.meter.latencies_s
+        rows = 0
+        slice_ = TimeSlice()
+        for i in range(0, len(turns), CHUNK):
+            if i:
+                await slice_.maybe_yield()
+            for t in turns[i : i + CHUNK]:
+                note(t.user_id, t.session_id, t.key, t.user_text, t.assistant_text, now)
+                lat.append(wall - t.accepted_at)
+                rows += t.n_messages
+        p.meter.record_batch(now, len(turns), rows)
+        self.maintenance.rows_since_vocab += rows
+        if self.replicator is not None:
+            self.replicator.wake()
+        p.changed()
+        if self.outbox.needs_spare():
+            self.maintenance.poke()
+
+    async def search(self, query: str, user_id: str | None, session_id: str | None,
+                     limit: int | None) -> str:
+        s = self.pipeline.settings
+        terms = query_terms(query, self.pipeline.store.frequent_terms, s.recall_max_terms)
+        scope = scope_token_for(user_id, session_id)
+        return await self.local.search(terms, scope, limit or s.recall_limit)
+
+    async def stop(self, runner: asyncio.Task[None], timeout_s: float) -> None:
+        """Let the writer finish the statement it is in, then cancel every part."""
+        self.writer.stop()
+        with anyio.move_on_after(timeout_s):
+            await self.writer.stopped.wait()
+        runner.cancel()
+        await asyncio.wait({runner}, timeout=max(0.01, timeout_s / 2))
+        if runner.done() and not runner.cancelled() and runner.exception() is not None:
+            exc = runner.exception()
+            assert exc is not None
+            log.error("pipeline_parts_ended_with_error", error=describe(exc), exc_info=exc)
+
+    async def close(self, timeout_s: float) -> None:
+        """Close the backend, the store and the outbox, within ``timeout_s`` in all."""
+        deadline = time.perf_counter() + timeout_s
+        p = self.pipeline
+        with anyio.move_on_after(timeout_s / 3):
+            try:
+                await p.backend.aclose()
+            except Exception as exc:  # closing goes on: the store and outbox still close
+                log.warning("backend_close_failed", error=describe(exc), exc_info=exc)
+        await p.store.aclose(max(0.01, (deadline - time.perf_counter()) * 2 / 3))
+        with anyio.move_on_after(max(0.01, deadline - time.perf_counter())):
+            await anyio.to_thread.run_sync(self.outbox.close, abandon_on_cancel=True)
+
+
+async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
+                      on_failure: Callable[[PipelineFailedError], None]) -> Parts:
+    """Open the store and the outbox and build the parts for ``p``'s role.
+
+    Raises:
+        StoreError: the store or the outbox cannot be used.
+    """
+    s, store = p.settings, p.store
+    role = s.role
+    await store.open()
+    outbox: Outbox | None = None
+    try:
+        first_segment = await store.next_segment()
+        slots = slot = None
+        if role == "producer":
+            slots = ProducerSlots(s, ForwardSink(store), backoff)
+            outbox, recovery, slot = await slots.open_own(first_segment)
+        else:
+            outbox = _outbox(s)
+            recovery = await anyio.to_thread.run_sync(outbox.open, first_segment)
+        plan = outbox.prefault_plan()
+        if plan:
+            await anyio.to_thread.run_sync(Outbox.prefault, plan)
+        await p.backend.startup()
+    except BaseException:
+        if outbox is not None:
+            outbox.close()
+        await store.aclose()
+        raise
+    commits = role != "producer"
+    local = LocalRecaller(store, p.backend, limit=s.recall_limit,
+                          max_terms=s.recall_max_terms,
+                          snippet_tokens=s.recall_snippet_tokens, observer=p.observer)
+    remote = RemoteRecaller(store, s.max_pending_recalls) if role == "producer" else None
+    source = OutboxSource(outbox, p.barrier)
+    inbox = (InboxSource(store, lease_owner(key_prefix), s.lease_s, p.clock)
+             if role == "worker" else None)
+    sources: list[Source] = [source] if inbox is None else [source, inbox]
+    sink = StoreSink(store) if commits else ForwardSink(store)
+    recall = RecallService(
+        recaller=remote or local, cache=p.cache, barrier=p.barrier, store=store,
+        target=outbox.accepted, max_pending=s.max_pending_recalls,
+        max_warms=s.max_pending_warms, recent_turns=s.recent_turns, clock=p.clock,
+    )
+    adopt = None
+    if role == "worker":
+        worker_slots = ProducerSlots(s, ForwardSink(store), backoff)
+        adopt = lambda: worker_slots.adopt_free(first_segment)  # noqa: E731
+    maintenance = Maintenance(s, store, outbox, conditions=p.conditions, commits=commits,
+                              adopt=adopt, clock=p.clock)
+    if commits:
+        await maintenance.refresh_vocab()
+    supervisor = Supervisor(backoff=backoff, conditions=p.conditions, on_failure=on_failure,
+                            clock=p.clock)
+    writer = Writer(sources, sink, max_batch=s.max_batch, max_batch_bytes=s.max_batch_bytes,
+                    max_wait_s=s.max_wait_ms / 1000, backoff=backoff, conditions=p.conditions,
+                    observer=p.observer, clock=p.clock)
+    writer.set_poll_interval(s.shared_poll_ms / 1000)
+    parts = Parts(p, outbox, recovery, writer, recall, local, maintenance, supervisor,
+                  inbox=inbox, slots=slots, slot=slot)
+    writer.add_listener(parts.committed)
+    supervisor.add("writer", writer.run)
+    for i in range(s.recall_workers):
+        supervisor.add(f"recaller-{i}", recall.run_recaller)
+    for i in range(WARM_WORKERS):
+        supervisor.add(f"warmer-{i}", recall.run_warmer)
+    supervisor.add("maintenance", maintenance.run)
+    if store.replica is not None:
+        parts.replicator = Replicator(store, p.backend, max_attempts=s.replica_max_attempts,
+                                      backoff=backoff, on_progress=p.changed)
+        supervisor.add("replicator", parts.replicator.run)
+    if role == "worker":
+        parts.server = RecallServer(store, local, poll_s=s.shared_poll_ms / 1000,
+                                    concurrency=RECALL_SERVER_CONCURRENCY)
+        supervisor.add("recall_server", parts.server.run)
+    if remote is not None:
+        poller = ResultsPoller(store, p.cache, remote, s.shared_poll_ms / 1000)
+        await poller.start()
+        supervisor.add("recall_results", poller.run)
+    return parts
+
+
+def _outbox(s: Settings) -> Outbox:
+    return Outbox(s.outbox_dir, segment_bytes=s.outbox_segment_bytes,
+                  max_pending_turns=s.max_queued_turns, max_pending_bytes=s.max_queued_bytes,
+                  overflow=s.overflow)
+
+
+def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
+    """A ``PipelineStats`` snapshot of ``p``."""
+    now = p.clock()
+    batches_s, rows_s = p.meter.rates(now)
+    lat = list(p.meter.latencies_s)
+    health = p.health()
+    common = {
+        "committed_turns": p.meter.turns, "batches_committed": p.meter.batches,
+        "rows_committed": p.meter.rows, "batches_per_s": batches_s, "rows_per_s": rows_s,
+        "recall_hits": p.cache.hits, "recall_misses": p.cache.misses,
+        "write_to_recallable_p50_ms": percentile(lat, 0.50) * 1000,
+        "write_to_recallable_p99_ms": percentile(lat, 0.99) * 1000,
+        "sanitized_turns": p.sanitized, "state": health.state,
+        "failure": None if p.failure is None else str(p.failure),
+        "conditions": tuple(sorted(health.conditions)), "cache_entries": len(p.cache),
+        "flush_waiters": p.barrier.waiting, "role": p.settings.role,
+    }
+    if parts is None:
+        return PipelineStats(
+            accepted_turns=0, queued_turns=0, queued_bytes=0, deferred_turns=0,
+            oldest_pending_age_s=0.0, recalls_run=0, recalls_shared=0, recalls_shed=0,
+            recall_errors=0, commit_retries=0, dead_letters=0, outbox_segments=0,
+            **common)  # type: ignore[arg-type]
+    c = parts.outbox.counts()
+    oldest = parts.outbox.oldest_pending_accepted_at() if c.pending_turns else None
+    w, r, rec = parts.writer, parts.recall, parts.recovery
+    inbox_n, inbox_oldest = parts.maintenance.inbox_counts
+    replica = parts.replicator
+    return PipelineStats(
+        accepted_turns=parts.outbox.accepted(), queued_turns=c.unread_turns,
+        queued_bytes=c.pending_bytes,
+        deferred_turns=max(0, c.pending_turns - p.settings.max_queued_turns),
+        oldest_pending_age_s=0.0 if oldest is None else max(0.0, time.time() - oldest),
+        recalls_run=parts.local.runs, recalls_shared=parts.local.shared,
+        recalls_shed=r.recalls_shed, recall_errors=r.recall_errors,
+        commit_retries=w.retries, dead_letters=w.dead_letters,
+        outbox_segments=c.segments, part_restarts=sum(parts.supervisor.restarts.values()),
+        pending_turns=c.pending_turns, recovered_turns=rec.records,
+        pending_recalls=r.pending, recalls_in_flight=parts.local.in_flight,
+        warm_backlog=r.warm_backlog, warms_shed=r.warms_shed,
+        sessions_warmed=r.sessions_warmed, quarantined_regions=c.quarantined_regions,
+        quarantined_bytes=c.quarantined_bytes, inbox_turns=inbox_n,
+        inbox_oldest_age_s=(0.0 if inbox_oldest is None
+                            else max(0.0, time.time() - inbox_oldest)),
+        inbox_committed_turns=0 if parts.inbox is None else parts.inbox.committed,
+        leases_lost=w.leases_lost,
+        recalls_served=0 if parts.server is None else parts.server.served,
+        replicated_turns=0 if replica is None else replica.replicated,
+        replica_pending=parts.maintenance.replica_counts[0],
+        replica_errors=0 if replica is None else replica.errors,
+        replica_dead=parts.maintenance.replica_counts[1],
+        **common,  # type: ignore[arg-type]
+    )

@@ -1,0 +1,249 @@
+"""The recall service: queued recalls and cache warm-ups, each a bounded queue with a bounded
+number of workers.
+
+- ``queue(user, session, query)``: the latest query per (user, session) wins; past
+  ``max_pending_recalls`` the oldest request is shed and counted. A recall first waits (up to
+  ``RECALL_BARRIER_S``) for the turns accepted before it, so a session asking right after its
+  own sync_turn finds that turn.
+- ``warm(user, session)``: load a resumed session's stored recent turns into the cache;
+  past ``max_pending_warms`` new requests are shed and counted.
+- A ``Recaller`` runs the recall: locally (``LocalRecaller``: the backend's recall when it
+  has one, else a scoped BM25 search of the store; identical recalls in flight share one
+  search), or, in a producer, as a request the worker answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+import structlog
+
+from ..backends import Backend, NullBackend, RecallRequest
+from ..barrier import CommitBarrier
+from ..errors import describe
+from ..metrics import PipelineObserver
+from ..store import SqliteStore
+from ..turns import scope_token_for
+from .cache import CacheKey, RecallCache
+from .query import match_expression, query_terms, render_hits
+
+log = structlog.get_logger(__name__)
+
+# A recall waits at most this long for the turns accepted before it was queued.
+RECALL_BARRIER_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Recalled:
+    block: str
+    source: str  # "local", or the backend's name
+    fallback: bool  # the backend was asked and failed; the local store answered
+
+
+class Recaller(Protocol):
+    async def recall(self, query: str, user_id: str | None, session_id: str
+                     ) -> Recalled | None:
+        """The block for the session's next prefetch, or None when it arrives later (a
+        producer's request, which the worker answers)."""
+
+
+class LocalRecaller:
+    """Answers recalls in this process: the backend first when it recalls, else the store."""
+
+    def __init__(self, store: SqliteStore, backend: Backend, *, limit: int, max_terms: int,
+                 snippet_tokens: int, observer: PipelineObserver) -> None:
+        self._store = store
+        self._backend = backend
+        self._limit = limit
+        self._max_terms = max_terms
+        self._snippet_tokens = snippet_tokens
+        self._observer = observer
+        self._inflight: dict[tuple[str, tuple[str, ...], str], asyncio.Future[Recalled]] = {}
+        self.runs = 0
+        self.shared = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    async def recall(self, query: str, user_id: str | None, session_id: str) -> Recalled:
+        scope = scope_token_for(user_id, session_id)
+        terms = tuple(query_terms(query, self._store.frequent_terms, self._max_terms))
+        # One user's identical recalls share one search; a backend's recall is per session.
+        key = (scope, terms, session_id if self._backend.recalls else "")
+        running = self._inflight.get(key)
+        if running is not None:
+            self.shared += 1
+            return await asyncio.shield(running)
+        fut: asyncio.Future[Recalled] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = fut
+        try:
+            recalled = await self._run(query, user_id, session_id, terms, scope)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()  # retrieved: waiters may be gone
+            raise
+        else:
+            fut.set_result(recalled)
+            return recalled
+        finally:
+            del self._inflight[key]
+
+    async def _run(self, query: str, user_id: str | None, session_id: str,
+                   terms: tuple[str, ...], scope: str) -> Recalled:
+        self.runs += 1
+        started = time.perf_counter()
+        try:
+            recalled = await self._answer(query, user_id, session_id, terms, scope)
+        except Exception:
+            self._observer.recall_done(time.perf_counter() - started, False)
+            raise
+        self._observer.recall_done(time.perf_counter() - started, True)
+        return recalled
+
+    async def _answer(self, query: str, user_id: str | None, session_id: str,
+                      terms: tuple[str, ...], scope: str) -> Recalled:
+        """The backend's block when it answers; else the local store's, marked as a
+        fallback when the backend was asked and failed (an error, or its deadline)."""
+        fallback = False
+        backend = self._backend
+        if not isinstance(backend, NullBackend):
+            request = RecallRequest(query, session_id, user_id, self._limit)
+            try:
+                remote = await backend.recall(request)
+            except Exception as exc:  # the backend's trouble: the local store answers
+                log.warning("backend_recall_failed", backend=backend.name, error=describe(exc),
+                            exc_info=exc)
+                remote = None
+            if remote is not None:
+                return Recalled(remote, backend.name, False)
+            fallback = backend.recalls
+        return Recalled(await self.search(terms, scope, self._limit), "local", fallback)
+
+    async def search(self, terms: Sequence[str], scope: str, limit: int) -> str:
+        if not terms:
+            return ""
+        hits = await self._store.search(match_expression(terms, scope), limit=limit,
+                                        snippet_tokens=self._snippet_tokens)
+        return render_hits(hits)
+
+
+class RecallService:
+    """The queues of recalls and warm-ups, and the workers that drain them."""
+
+    def __init__(
+        self, *, recaller: Recaller, cache: RecallCache, barrier: CommitBarrier,
+        store: SqliteStore, target: Callable[[], int], max_pending: int, max_warms: int,
+        recent_turns: int, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.recaller = recaller
+        self._cache = cache
+        self._barrier = barrier
+        self._store = store
+        self._target = target
+        self._max_pending = max_pending
+        self._max_warms = max_warms
+        self._recent_turns = max(1, recent_turns)
+        self._clock = clock
+        self._pending: OrderedDict[CacheKey, tuple[str, int]] = OrderedDict()
+        self._warms: OrderedDict[CacheKey, None] = OrderedDict()
+        self._warming: set[CacheKey] = set()
+        self._recall_work = asyncio.Event()
+        self._warm_work = asyncio.Event()
+        self.recalls_shed = 0
+        self.recall_errors = 0
+        self.warms_shed = 0
+        self.sessions_warmed = 0
+        self.warm_errors = 0
+
+    # -- requests (event-loop thread) --------------------------------------------------
+
+    def queue(self, user_id: str | None, session_id: str, query: str) -> None:
+        key = (user_id, session_id)
+        pending = self._pending
+        if key in pending:
+            pending.move_to_end(key)
+        elif len(pending) >= self._max_pending:
+            pending.popitem(last=False)  # the oldest request; counted, never silent
+            self.recalls_shed += 1
+        # The recall runs once the turns accepted before it are settled.
+        pending[key] = (query, self._target())
+        self._recall_work.set()
+
+    def warm(self, user_id: str | None, session_id: str) -> None:
+        key = (user_id, session_id)
+        if key in self._warms or key in self._warming or not self._cache.needs_warm(*key):
+            return
+        if len(self._warms) >= self._max_warms:
+            self.warms_shed += 1
+            return
+        self._warms[key] = None
+        self._warm_work.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    @property
+    def warm_backlog(self) -> int:
+        return len(self._warms) + len(self._warming)
+
+    # -- workers -----------------------------------------------------------------------
+
+    async def run_recaller(self) -> None:
+        pending = self._pending
+        while True:
+            if not pending:
+                self._recall_work.clear()
+                await self._recall_work.wait()
+                continue
+            (user_id, session_id), (query, target) = pending.popitem(last=False)
+            if self._barrier.settled < target:
+                with anyio.move_on_after(RECALL_BARRIER_S):
+                    await self._barrier.wait(target)
+            if self._cache.needs_warm(user_id, session_id):
+                await self._warm_now((user_id, session_id))  # a resumed session: its turns first
+            try:
+                recalled = await self.recaller.recall(query, user_id, session_id)
+            except Exception as exc:  # the per-recall boundary
+                self.recall_errors += 1
+                log.warning("recall_failed", session_id=session_id, error=describe(exc),
+                            exc_info=exc)
+                continue
+            if recalled is not None:
+                self._cache.set_recall(user_id, session_id, query, recalled.block,
+                                       source=recalled.source, fallback=recalled.fallback)
+
+    async def run_warmer(self) -> None:
+        warms = self._warms
+        while True:
+            if not warms:
+                self._warm_work.clear()
+                await self._warm_work.wait()
+                continue
+            key, _ = warms.popitem(last=False)
+            await self._warm_now(key)
+
+    async def _warm_now(self, key: CacheKey) -> None:
+        if key in self._warming:
+            return
+        self._warming.add(key)
+        user_id, session_id = key
+        try:
+            turns = await self._store.recent_turns(session_id, self._recent_turns * 4)
+        except Exception as exc:  # the per-job boundary: a cold cache is not an error
+            self.warm_errors += 1
+            log.warning("cache_warm_failed", session_id=session_id, error=describe(exc),
+                        exc_info=exc)
+            return
+        finally:
+            self._warming.discard(key)
+        mine = [(k, u, a) for k, uid, u, a in turns if uid == user_id][-self._recent_turns:]
+        if self._cache.warm(user_id, session_id, mine, self._clock()):
+            self.sessions_warmed += 1

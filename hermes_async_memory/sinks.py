@@ -1,0 +1,78 @@
+"""Where the writer's batches go: the store (commit), or a worker (a producer forwards).
+
+Only a store sink commits and dead-letters into the store. A producer's sink hands its
+batches, and the records it could not write, to the shared inbox: the worker commits the
+one and dead-letters the other under its lease, so nothing goes around the worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .store import Batch, SqliteStore
+from .turns import Turn
+from .writer import CHUNK, TimeSlice, Unreadable
+
+
+async def build_batch(turns: Sequence[Turn], source: str) -> Batch:
+    """A batch's parameters, built a chunk at a time so the loop keeps running."""
+    batch = Batch(source)
+    slice_ = TimeSlice()
+    for i in range(0, len(turns), CHUNK):
+        if i:
+            await slice_.maybe_yield()
+        batch.add(turns[i : i + CHUNK])
+    return batch
+
+
+class StoreSink:
+    """Commits batches into the SQLite store, one transaction each."""
+
+    name = "committed"
+
+    def __init__(self, store: SqliteStore) -> None:
+        self._store = store
+
+    async def commit(self, turns: Sequence[Turn], lease_owner: str | None) -> int:
+        batch = await build_batch(turns, self._store.source)
+        if lease_owner is not None:  # inbox turns: they leave the inbox in the same transaction
+            batch.inbox_ids = [t.seq for t in turns]
+            batch.lease_owner = lease_owner
+        await self._store.commit_batch(batch)
+        return batch.n_messages
+
+    async def held(self, keys: Sequence[str]) -> set[str]:
+        return await self._store.done_keys(keys)
+
+    async def dead_letter(self, item: Turn | Unreadable, reason: str,
+                          lease_owner: str | None) -> None:
+        if isinstance(item, Unreadable):
+            turn, payload = Turn.stub(item.key, item.session_id, seq=item.seq), item.payload
+        else:
+            turn, payload = item, item.payload.encode("latin-1")
+        await self._store.dead_letter(turn, reason, 1, payload)
+
+
+class ForwardSink:
+    """A producer's sink: batches into the shared inbox, in accept order."""
+
+    name = "forwarded"
+
+    def __init__(self, store: SqliteStore) -> None:
+        self._store = store
+
+    async def commit(self, turns: Sequence[Turn], lease_owner: str | None) -> int:
+        batch = await build_batch(turns, self._store.source)
+        await self._store.forward_batch(batch)
+        return batch.n_messages
+
+    async def held(self, keys: Sequence[str]) -> set[str]:
+        return await self._store.done_keys(keys, waiting=True)
+
+    async def dead_letter(self, item: Turn | Unreadable, reason: str,
+                          lease_owner: str | None) -> None:
+        if isinstance(item, Unreadable):
+            row = (item.key, item.session_id, 0.0, item.payload.decode("latin-1"), reason)
+        else:
+            row = (item.key, item.session_id, item.accepted_at, item.payload, reason)
+        await self._store.forward_refused([row])

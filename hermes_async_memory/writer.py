@@ -1,0 +1,341 @@
+"""The writer: one loop that reads batches from its sources and writes them to its sink.
+
+    sources (the local outbox; a worker also has the shared inbox) ──► Writer ──► sink
+                                                     (commit to the store, or forward a
+                                                      producer's batch to the worker)
+
+The process's role only picks the sources and the sink; the loop is the same. A batch keeps
+accept order (so per-session order), is bounded by turns and by bytes, and closes after the
+group-commit window unless a flush or shutdown is waiting.
+
+A failed write is classified (faults.py): a transient one (busy, I/O, full disk) is retried
+with backoff, the batch whole; one caused by the data is bisected down to the record that
+causes it, which goes to the dead letters with its reason while every other record commits;
+a fatal one ends the loop and the supervisor fails the pipeline, the batch left durable in
+the outbox for the next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import anyio
+import anyio.lowlevel
+import structlog
+
+from .errors import LeaseLostError, describe
+from .faults import Fault, classify, is_disk_full
+from .metrics import PipelineObserver
+from .retry import Backoff
+from .supervisor import Conditions
+from .turns import Turn
+
+log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+# The writer's Python work (decoding records, building a batch's parameters, refreshing the
+# cache) runs in steps of CHUNK records and yields to the loop once a slice of SLICE_S has
+# been used: few yields when the work is quick, and never a long stall of the loop.
+CHUNK = 100
+SLICE_S = 0.0005
+
+
+class TimeSlice:
+    """Time-sliced cooperation for a run of Python work on the event loop."""
+
+    __slots__ = ("_until",)
+
+    def __init__(self) -> None:
+        self._until = time.perf_counter() + SLICE_S
+
+    async def maybe_yield(self) -> None:
+        if time.perf_counter() >= self._until:
+            await anyio.lowlevel.checkpoint()
+            self._until = time.perf_counter() + SLICE_S
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A record whose bytes are intact but do not decode as a turn: a dead letter as is."""
+
+    seq: int
+    key: str
+    session_id: str
+    payload: bytes
+    error: str
+
+
+@dataclass
+class Work:
+    """One batch from a source, in its order."""
+
+    items: list[Turn | Unreadable] = field(default_factory=list)
+    # Records an earlier run left: the store may hold some already (a crash after a commit).
+    replay: bool = False
+
+
+class Source(Protocol):
+    name: str
+    # Whether new work can arrive without a wake-up (another process's inbox): poll it.
+    polls: bool
+    lease_owner: str | None
+
+    def waiting(self) -> int:
+        """Records ready to be taken now (0 when unknown)."""
+
+    async def take(self, max_turns: int, max_bytes: int) -> Work | None:
+        """The next batch, or None when there is nothing to do."""
+
+    async def settle(self, items: Sequence[Turn | Unreadable], *, committed: bool) -> None:
+        """These records are done with: committed, found already stored, or dead-lettered."""
+
+
+class Sink(Protocol):
+    name: str
+
+    async def commit(self, turns: Sequence[Turn], lease_owner: str | None) -> int:
+        """Write ``turns`` in one transaction; returns the messages written.
+
+        Raises:
+            LeaseLostError: the lease on these inbox turns was taken over.
+            Exception: anything else, classified by the writer.
+        """
+
+    async def held(self, keys: Sequence[str]) -> set[str]:
+        """Which of these keys the destination already holds (or has waiting)."""
+
+    async def dead_letter(self, item: Turn | Unreadable, reason: str,
+                          lease_owner: str | None) -> None:
+        """Keep a record that cannot be written, with why."""
+
+
+Listener = Callable[[Sequence[Turn], Source], Awaitable[None]]
+
+
+class _Stopping(BaseException):
+    """Shutdown reached a write that is retrying a failing store: leave the batch durable
+    and unsettled, so nothing after it is written out of order."""
+
+
+class Writer:
+    """The one writer loop; supervised, restartable (a source re-offers what it did not
+    settle)."""
+
+    def __init__(
+        self, sources: Sequence[Source], sink: Sink, *, max_batch: int, max_batch_bytes: int,
+        max_wait_s: float, backoff: Backoff, conditions: Conditions,
+        observer: PipelineObserver, listeners: Sequence[Listener] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._sources = list(sources)
+        self._sink = sink
+        self._max_batch = max_batch
+        self._max_bytes = max_batch_bytes
+        self._max_wait_s = max_wait_s
+        self._backoff = backoff
+        self._conditions = conditions
+        self._observer = observer
+        self._listeners = list(listeners)
+        self.stopped = asyncio.Event()  # set when run() returns
+        self._clock = clock
+        self._wake = asyncio.Event()
+        self._rush = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._stopping = False
+        self._poll_s = 0.02
+        self._hurry = False
+        self.retries = 0
+        self.dead_letters = 0
+        self.leases_lost = 0
+        self.batches = 0
+
+    # -- control (event-loop thread) ---------------------------------------------------
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def hurry(self, on: bool = True) -> None:
+        """A flush or shutdown waits: close the group-commit window at once."""
+        self._hurry = on
+        if on:
+            self._rush.set()
+            self._wake.set()
+        else:
+            self._rush.clear()
+
+    def add_listener(self, listener: Listener) -> None:
+        """``await listener(turns, source)`` after each commit."""
+        self._listeners.append(listener)
+
+    def stop(self) -> None:
+        """Finish the write in progress (or give up its retries) and return."""
+        self._stopping = True
+        self._stop.set()
+        self.hurry()
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.stopped.clear()
+        try:
+            while not self._stopping:
+                if not await self._round():
+                    await self._idle()
+        except _Stopping:
+            return
+        finally:
+            self.stopped.set()
+
+    async def _round(self) -> bool:
+        """One pass over the sources; whether any had work."""
+        found = False
+        for source in self._sources:
+            if self._stopping:
+                return found
+            waiting = source.waiting()
+            if (waiting and not self._hurry and self._max_wait_s > 0
+                    and waiting < self._max_batch):
+                # The group-commit window; a flush or shutdown ends it at once.
+                with anyio.move_on_after(self._max_wait_s):
+                    await self._rush.wait()
+            work = await self._retrying(
+                functools.partial(source.take, self._max_batch, self._max_bytes))
+            if work is None or not work.items:
+                continue
+            found = True
+            await self._process(source, work)
+        return found
+
+    async def _idle(self) -> None:
+        self._wake.clear()
+        if any(s.waiting() for s in self._sources) or self._stopping:
+            return
+        poll = any(s.polls for s in self._sources)
+        with anyio.move_on_after(self._poll_s if poll else None):
+            await self._wake.wait()
+
+    def set_poll_interval(self, seconds: float) -> None:
+        self._poll_s = seconds
+
+    # -- one batch ---------------------------------------------------------------------
+
+    async def _process(self, source: Source, work: Work) -> None:
+        items = work.items
+        if work.replay:
+            items = await self._drop_held(source, items)
+        run: list[Turn] = []
+        for item in items:
+            if isinstance(item, Turn):
+                run.append(item)
+                continue
+            if run:
+                await self._write(source, run)
+                run = []
+            await self._dead_letter(source, item, item.error)
+        if run:
+            await self._write(source, run)
+
+    async def _drop_held(self, source: Source, items: list[Turn | Unreadable]
+                         ) -> list[Turn | Unreadable]:
+        """Settle the records the destination already holds (a replay); return the rest."""
+        keys = [t.key for t in items if isinstance(t, Turn)]
+        held = await self._retrying(lambda: self._sink.held(keys)) if keys else set()
+        if not held:
+            return items
+        skipped = [t for t in items if isinstance(t, Turn) and t.key in held]
+        log.info("replay_skipped", turns=len(skipped), source=source.name)
+        await source.settle(skipped, committed=False)
+        return [t for t in items if not (isinstance(t, Turn) and t.key in held)]
+
+    async def _write(self, source: Source, turns: list[Turn]) -> None:
+        """Commit ``turns`` in order; isolate and dead-letter what the data makes fail."""
+        started = self._clock()
+        attempt = 0
+        while True:
+            try:
+                rows = await self._sink.commit(turns, source.lease_owner)
+                break
+            except LeaseLostError:
+                # Our claim expired and another worker took these turns: they are its now.
+                self.leases_lost += len(turns)
+                log.warning("inbox_lease_lost", turns=len(turns))
+                return
+            except Exception as exc:  # the per-batch boundary: classify and route
+                fault = classify(exc)
+                if fault is Fault.FATAL:
+                    raise
+                if fault is Fault.TRANSIENT:
+                    attempt += 1
+                    await self._transient(exc, attempt, len(turns))
+                    continue
+                await self._isolate(source, turns, exc)
+                return
+        self._conditions.clear("store_retrying")
+        self._conditions.clear("disk_full")
+        now = self._clock()
+        self.batches += 1
+        self._observer.batch_committed(len(turns), rows, now - started)
+        for listener in self._listeners:  # before the barrier moves: a flush then finds them
+            await listener(turns, source)
+        await source.settle(turns, committed=True)
+        log.info(
+            f"batch_{self._sink.name}", turns=len(turns), rows=rows, source=source.name,
+            sessions=len({t.session_id for t in turns}), attempts=attempt + 1,
+            duration_ms=round((now - started) * 1000, 2), waiting=source.waiting(),
+        )
+
+    async def _transient(self, exc: BaseException, attempt: int, turns: int) -> None:
+        self.retries += 1
+        self._observer.commit_retried()
+        condition = "disk_full" if is_disk_full(exc) else "store_retrying"
+        self._conditions.set(condition, describe(exc))
+        delay = self._backoff.delay(attempt)
+        log.warning("batch_retry", turns=turns, attempt=attempt, retry_in_s=round(delay, 3),
+                    error=describe(exc))
+        if not self._stopping:
+            with anyio.move_on_after(delay):
+                await self._stop.wait()
+        if self._stopping:
+            raise _Stopping from exc  # shutdown: the batch stays in the outbox
+
+    async def _isolate(self, source: Source, turns: list[Turn], exc: Exception) -> None:
+        """Split a batch the data makes fail until the failing record is alone."""
+        held = await self._retrying(lambda: self._sink.held([t.key for t in turns]))
+        if held:  # a replayed record the store has already: not the data's fault
+            await source.settle([t for t in turns if t.key in held], committed=False)
+            rest = [t for t in turns if t.key not in held]
+            if rest:
+                await self._write(source, rest)
+            return
+        if len(turns) == 1:
+            await self._dead_letter(source, turns[0], describe(exc))
+            return
+        mid = len(turns) // 2
+        log.info("batch_bisect", turns=len(turns), error=describe(exc))
+        await self._write(source, turns[:mid])
+        await self._write(source, turns[mid:])
+
+    async def _dead_letter(self, source: Source, item: Turn | Unreadable, reason: str) -> None:
+        await self._retrying(lambda: self._sink.dead_letter(item, reason, source.lease_owner))
+        self.dead_letters += 1
+        log.error("record_dead_lettered", key=item.key, session_id=item.session_id,
+                  source=source.name, error=reason)
+        await source.settle([item], committed=False)
+
+    async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run a call on the store until it answers, while its failures are transient."""
+        attempt = 0
+        while True:
+            try:
+                return await op()
+            except Exception as exc:  # classified: only transient failures are retried
+                if classify(exc) is not Fault.TRANSIENT:
+                    raise
+                attempt += 1
+                await self._transient(exc, attempt, 0)
