@@ -12,11 +12,15 @@ from .errors import (
     BackendError,
     ConfigurationError,
     CorruptOutboxError,
+    CorruptStoreError,
+    DiskFullError,
     FlushTimeoutError,
     HermesMemoryError,
     InvalidTurnError,
     PipelineClosedError,
+    PipelineFailedError,
     QueueFullError,
+    StoreAccessError,
     StoreError,
 )
 from .metrics import PipelineObserver
@@ -24,6 +28,7 @@ from .pipeline import MemoryPipeline
 from .recall.cache import PrefetchStatus
 from .settings import Settings
 from .stats import PipelineStats
+from .supervisor import Health
 from .turns import Receipt
 
 if TYPE_CHECKING:
@@ -34,7 +39,10 @@ __all__ = [
     "BackendError",
     "ConfigurationError",
     "CorruptOutboxError",
+    "CorruptStoreError",
+    "DiskFullError",
     "FlushTimeoutError",
+    "Health",
     "HermesMemoryError",
     "HermesMemoryProvider",
     "HonchoBackend",
@@ -44,12 +52,14 @@ __all__ = [
     "MemoryPipeline",
     "NullBackend",
     "PipelineClosedError",
+    "PipelineFailedError",
     "PipelineObserver",
     "PipelineStats",
     "PrefetchStatus",
     "QueueFullError",
     "Receipt",
     "Settings",
+    "StoreAccessError",
     "StoreError",
 ]
 

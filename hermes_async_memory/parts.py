@@ -166,6 +166,7 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
         recaller=remote or local, cache=p.cache, barrier=p.barrier, store=store,
         target=outbox.accepted, max_pending=s.max_pending_recalls,
         max_warms=s.max_pending_warms, recent_turns=s.recent_turns, clock=p.clock,
+        changed=p.changed,
     )
     adopt = None
     if role == "worker":

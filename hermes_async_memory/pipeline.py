@@ -315,9 +315,8 @@ class MemoryPipeline:
         Raises:
             InvalidTurnError: an id is not a non-empty string.
         """
-        if type(session_id) is not str or not session_id.isascii() or not session_id:
-            check_id("session_id", session_id)
-        if user_id is not None and (type(user_id) is not str or not user_id.isascii()):
+        check_id("session_id", session_id)
+        if user_id is not None:
             check_id("user_id", user_id)
         return self.cache.get(user_id, session_id)
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import signal
+import struct
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory.outbox import HEADER_BYTES
 
 from .helpers import stored_turns
 
@@ -99,29 +104,80 @@ async def test_repeated_crashes_still_converge(tmp_path: Path) -> None:
     await assert_recovers_exactly_once(db, receipts, kills=3)
 
 
-async def test_a_torn_record_at_the_tail_is_ignored(tmp_path: Path) -> None:
-    settings = Settings(db_path=tmp_path / "m.db")
-    mem = MemoryPipeline(settings)
-    await mem.start()
-    for i in range(10):
-        mem.sync_turn(f"turn {i}", "r", session_id="s")
-    # Simulate a kill mid-append: the next record's payload bytes landed, its length did not.
-    seg = sorted(settings.outbox_dir.glob("*.seg"))[-1]
-    data = bytearray(seg.read_bytes())
-    end = 0
-    while int.from_bytes(data[end : end + 4], "little"):
-        end += 8 + int.from_bytes(data[end : end + 4], "little")
-    with seg.open("r+b") as f:
-        f.seek(end + 4)
-        f.write(b"\x12\x34\x56\x78garbage")
-    # ...and a crash: nothing was committed, the process state is simply dropped.
-    mem._outbox.close()
-    await mem.store.aclose()
+def record_spans(segment: Path) -> list[tuple[int, int, str]]:
+    """(start, end, turn key) of each record in a segment, read as the format documents it:
+    ``[magic][length][crc32][info][payload]``, the payload the turn's JSON."""
+    data = segment.read_bytes()
+    spans, off = [], 0
+    while off + HEADER_BYTES <= len(data):
+        magic, size, _, _ = struct.unpack_from("<IIII", data, off)
+        if not magic:
+            break
+        payload = data[off + HEADER_BYTES : off + HEADER_BYTES + size]
+        spans.append((off, off + HEADER_BYTES + size, json.loads(payload)["k"]))
+        off += HEADER_BYTES + size
+    return spans
 
-    async with MemoryPipeline(settings) as again:
-        await again.flush()
-        users = [m["content"] for m in await again.get_messages("s") if m["role"] == "user"]
-    assert users == [f"turn {i}" for i in range(10)]
+
+async def test_damage_in_the_outbox_costs_only_the_records_it_touched(tmp_path: Path) -> None:
+    """Invariant: every acknowledged record the damage did not touch is committed exactly
+    once, in session order; the damaged bytes are quarantined, counted and logged.
+
+    Before, the scan stopped at the first bad checksum and the segment was deleted: twenty
+    flipped bytes lost 171 of 181 acknowledged turns.
+    """
+    db = tmp_path / "m.db"
+    receipts = run_child_until(db, "in-commit", acks=181, marker="IN_COMMIT")
+    settings = Settings(db_path=db)
+    (segment,) = [p for p in settings.outbox_dir.glob("*.seg") if record_spans(p)]
+    spans = record_spans(segment)
+    rng = random.Random(20)
+    data = bytearray(segment.read_bytes())
+    flipped = sorted(rng.sample(range(spans[5][0], spans[-5][1]), 20))
+    for at in flipped:
+        data[at] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    hit = {key for start, end, key in spans if any(start <= at < end for at in flipped)}
+    assert 0 < len(hit) <= 20
+
+    with capture_logs() as logs:
+        async with MemoryPipeline(settings) as mem:
+            await mem.flush()
+            stats = mem.stats()
+    stored = stored_turns(db)
+    keys = Counter(key for rows in stored.values() for key, role, _ in rows if role == "user")
+    intact = {key for key, _, _ in receipts} - hit
+    assert intact <= set(keys), f"{len(intact - set(keys))} intact acknowledged turns lost"
+    assert set(keys) <= intact | {k for k in keys if k not in {r[0] for r in receipts}}
+    assert all(n == 1 for n in keys.values())
+    for session, rows in stored.items():
+        got = [key for key, role, _ in rows if role == "user"]
+        assert got == [key for key, s, _ in receipts if s == session and key in set(got)]
+    quarantined = list((settings.outbox_dir / "quarantine").iterdir())
+    assert quarantined and stats.quarantined_regions == len(quarantined)
+    assert stats.quarantined_bytes == sum(p.stat().st_size for p in quarantined)
+    errors = [e for e in logs if e["log_level"] == "error"]
+    assert len(errors) == len(quarantined)
+    assert all(e["event"] == "outbox_damaged_bytes_quarantined" for e in errors)
+
+
+async def test_a_torn_record_at_the_tail_is_normal_and_silent(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    receipts = run_child_until(db, "in-commit", acks=40, marker="IN_COMMIT")
+    settings = Settings(db_path=db)
+    (segment,) = [p for p in settings.outbox_dir.glob("*.seg") if record_spans(p)]
+    end = record_spans(segment)[-1][1]
+    # A kill mid-append: the next record's payload and checksum landed, its commit mark not.
+    with segment.open("r+b") as f:
+        f.seek(end + 8)
+        f.write(b"\x12\x34\x56\x78" + b'{"k":"torn","s":"s0"')
+    with capture_logs() as logs:
+        async with MemoryPipeline(settings) as mem:
+            await mem.flush()
+            assert mem.stats().quarantined_regions == 0
+    assert not [e for e in logs if e["log_level"] in ("warning", "error", "critical")]
+    assert not (settings.outbox_dir / "quarantine").exists()
+    await assert_recovers_exactly_once(db, receipts)
 
 
 async def test_segments_roll_over_and_are_removed_once_committed(tmp_path: Path) -> None:

@@ -141,7 +141,9 @@ class RecallService:
         self, *, recaller: Recaller, cache: RecallCache, barrier: CommitBarrier,
         store: SqliteStore, target: Callable[[], int], max_pending: int, max_warms: int,
         recent_turns: int, clock: Callable[[], float] = time.monotonic,
+        changed: Callable[[], None] = lambda: None,
     ) -> None:
+        self._changed = changed  # after each recall and warm-up: wakes wait_until()
         self.recaller = recaller
         self._cache = cache
         self._barrier = barrier
@@ -215,10 +217,12 @@ class RecallService:
                 self.recall_errors += 1
                 log.warning("recall_failed", session_id=session_id, error=describe(exc),
                             exc_info=exc)
+                self._changed()
                 continue
             if recalled is not None:
                 self._cache.set_recall(user_id, session_id, query, recalled.block,
                                        source=recalled.source, fallback=recalled.fallback)
+            self._changed()
 
     async def run_warmer(self) -> None:
         warms = self._warms
@@ -229,6 +233,7 @@ class RecallService:
                 continue
             key, _ = warms.popitem(last=False)
             await self._warm_now(key)
+            self._changed()
 
     async def _warm_now(self, key: CacheKey) -> None:
         if key in self._warming:

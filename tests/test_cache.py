@@ -1,0 +1,105 @@
+"""The prefetch cache: never misses an entry it holds, even while commits reorder it from
+other threads' point of view; keyed by (user, session), so two users who send the same
+session id never see each other's memory; ids that no store can hold are refused, typed."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from hermes_async_memory import InvalidTurnError, MemoryPipeline, Settings
+
+READERS = 2
+
+
+async def test_threads_reading_a_cached_session_never_get_an_empty_block(
+    settings: Settings,
+) -> None:
+    """Invariant: every prefetch of a session whose block is cached returns that block.
+
+    Before, each commit's LRU touch popped the entry and put it back, and a reader on
+    another thread in between got "": about 7.5 % of calls.
+    """
+    async with MemoryPipeline(settings.replace(max_wait_ms=0.0)) as mem:
+        mem.sync_turn("the hot session", "warm", session_id="hot", user_id="u")
+        await mem.flush()
+        assert mem.prefetch(session_id="hot", user_id="u")
+        stop = threading.Event()
+        empties = [0] * READERS
+        reads = [0] * READERS
+
+        def read(n: int) -> None:
+            while not stop.is_set():
+                if not mem.prefetch(session_id="hot", user_id="u"):
+                    empties[n] += 1
+                reads[n] += 1
+
+        threads = [threading.Thread(target=read, args=(n,)) for n in range(READERS)]
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)  # hand the GIL over as often as possible: races show
+        for t in threads:
+            t.start()
+        try:
+            for i in range(1000):  # each commit of "hot" moves its entry in the LRU order
+                mem.sync_turn(f"turn {i}", "r", session_id="hot", user_id="u")
+                mem.sync_turn(f"turn {i}", "r", session_id=f"cold{i % 50}", user_id="u")
+                if i % 100 == 0:
+                    await mem.flush()
+            await mem.flush()
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+            sys.setswitchinterval(interval)
+        assert sum(reads) > 10_000
+        assert sum(empties) == 0, f"{sum(empties)} of {sum(reads)} reads came back empty"
+
+
+async def test_two_users_with_the_same_session_id_never_see_each_others_memory(
+    mem: MemoryPipeline,
+) -> None:
+    mem.sync_turn("my locker code is 4711", "noted", session_id="default", user_id="ann")
+    mem.sync_turn("I like jazz", "noted", session_id="default", user_id="bob")
+    await mem.flush()
+    ann = mem.prefetch(session_id="default", user_id="ann")
+    bob = mem.prefetch(session_id="default", user_id="bob")
+    assert "4711" in ann and "jazz" not in ann
+    assert "jazz" in bob and "4711" not in bob
+    mem.queue_prefetch("what is my locker code", session_id="default", user_id="bob")
+    await mem.wait_until(
+        lambda: mem.prefetch_status("default", user_id="bob").recall_query is not None,
+        timeout=10)
+    assert "4711" not in mem.prefetch(session_id="default", user_id="bob")
+    assert mem.prefetch_status("default", user_id="ann").recall_query is None
+    assert mem.prefetch_status("default", user_id="ann").turns_committed == 1
+
+
+@pytest.mark.parametrize("bad", ["\ud800", "s\udfff", "", "x" * 600, "a\x00b"])
+async def test_every_public_call_refuses_an_id_no_store_can_hold(
+    mem: MemoryPipeline, bad: str,
+) -> None:
+    calls = [
+        lambda: mem.sync_turn("q", "a", session_id=bad),
+        lambda: mem.sync_turn("q", "a", session_id="s", user_id=bad),
+        lambda: mem.queue_prefetch("q", session_id=bad),
+        lambda: mem.queue_prefetch("q", session_id="s", user_id=bad),
+        lambda: mem.warm(bad),
+        lambda: mem.prefetch(session_id=bad),
+        lambda: mem.prefetch(session_id="s", user_id=bad),
+        lambda: mem.prefetch_status(bad),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidTurnError):
+            call()
+    with pytest.raises(InvalidTurnError):
+        await mem.get_messages(bad)
+    with pytest.raises(InvalidTurnError):
+        await mem.search("q", user_id=bad)
+    with pytest.raises(InvalidTurnError):
+        await mem.flush(session_id=bad)
+    await anyio.lowlevel.checkpoint()
+    assert mem.stats().accepted_turns == 0
