@@ -54,7 +54,7 @@ async def user_session(mem: MemoryPipeline, name: str, user: int, turns: int,
     for t in range(turns):
         topic, fact = TOPICS[(user + t) % len(TOPICS)]
         question = f"Tell me about the {topic}: {fact.format(n=user % 9 + 1)}"
-        memory = mem.prefetch(question, session_id=session_id)  # never waits
+        memory = mem.prefetch(question, session_id=session_id, user_id=user_id)  # never waits
         if memory:
             seen[0] += 1
         reply = await model_call(question, memory)
@@ -80,7 +80,8 @@ async def main(args: argparse.Namespace) -> None:
         if args.role != "producer":
             sample = await mem.search("invoice billing", user_id=f"{args.name}-user-0")
         else:
-            sample = mem.prefetch("", session_id=f"{args.name}-session-0")
+            sample = mem.prefetch("", session_id=f"{args.name}-session-0",
+                                  user_id=f"{args.name}-user-0")
     total = args.users * args.turns
     print(f"{args.name}: served {total} turns for {args.users} users in {served:.2f} s "
           f"({total / served:,.0f} turns/s); {seen[0]} prompts carried a memory block")

@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import sqlite3
 import struct
 import sys
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote
 
 if TYPE_CHECKING:
+    from .outbox import RecordSummary
     from .settings import Settings
 
 PROG = "hermes-memory"
@@ -297,15 +296,8 @@ def _session_row(conn: sqlite3.Connection, session_id: str) -> dict[str, Any] | 
 
 
 @dataclass
-class _Record:
-    key: str | None  # None: the record's bytes do not decode
-    accepted_at: float | None
-    segment: Path
-
-
-@dataclass
 class _OutboxScan:
-    records: list[_Record]
+    records: list[RecordSummary]
     segments: list[Path]
 
 
@@ -319,47 +311,19 @@ def _outbox_dirs(settings: Settings) -> list[Path]:
 
 
 def _scan_outbox(settings: Settings) -> _OutboxScan:
-    """Every whole record in the outbox segment files, read-only and without the lock.
-
-    A record's length is written last, so a record being appended reads as the end of
-    the log (as ``Outbox._scan`` reads it); a segment deleted meanwhile is simply skipped.
+    """Every intact record in the outbox folders, read-only and without their locks.
 
     Raises:
         OSError: a folder or segment cannot be read (permissions).
     """
+    from .outbox import inspect
+
     scan = _OutboxScan([], [])
     for directory in _outbox_dirs(settings):
-        for path in sorted(directory.glob("*" + _SEGMENT_SUFFIX)):
-            if not path.stem.isdigit():
-                continue
-            try:
-                with open(path, "rb") as f:
-                    if os.fstat(f.fileno()).st_size == 0:
-                        continue
-                    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                        records = list(_segment_records(mm, path))
-            except FileNotFoundError:
-                continue  # settled and removed since it was listed
-            scan.segments.append(path)
-            scan.records += records
+        segments, records = inspect(directory)
+        scan.segments += segments
+        scan.records += records
     return scan
-
-
-def _segment_records(mm: mmap.mmap, path: Path) -> Iterator[_Record]:
-    off, end = 0, len(mm)
-    while off + _RECORD_HEADER.size <= end:
-        size, crc = _RECORD_HEADER.unpack_from(mm, off)
-        if size == 0:
-            return
-        start = off + _RECORD_HEADER.size
-        if start + size > end or zlib.crc32(mm[start : start + size]) != crc:
-            return  # torn, or still being written: the end of the log
-        try:
-            doc = json.loads(mm[start : start + size])
-            yield _Record(str(doc["k"]), float(doc["t"]), path)
-        except (ValueError, KeyError, TypeError):
-            yield _Record(None, None, path)
-        off = start + size
 
 
 def _settled_keys(conn: sqlite3.Connection, keys: list[str]) -> set[str]:
@@ -410,7 +374,7 @@ def _status(args: argparse.Namespace) -> int:
                 replicas.setdefault(backend, {"pending": 0, "dead": 0})[status] = n
         conn.execute("COMMIT")
     now = time.time()
-    pending: list[_Record] = []
+    pending: list[RecordSummary] = []
     if scan is not None:
         # A segment file is deleted only once all its turns are settled; one gone since the
         # scan may have had its done keys pruned meanwhile, so it counts as settled.

@@ -43,6 +43,7 @@ class Maintenance:
     def __init__(self, settings: Settings, store: SqliteStore, outbox: Outbox, *,
                  conditions: Conditions, commits: bool,
                  adopt: Callable[[], Awaitable[int]] | None = None,
+                 on_round: Callable[[], None] = lambda: None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self._settings = settings
@@ -51,6 +52,7 @@ class Maintenance:
         self._conditions = conditions
         self._commits = commits
         self._adopt = adopt
+        self._on_round = on_round  # the counts it refreshed may be awaited: wait_until()
         self._clock = clock
         self._wall = wall_clock
         self._poke = asyncio.Event()
@@ -72,6 +74,7 @@ class Maintenance:
                 await self._poke.wait()
             self._poke.clear()
             await self.round()
+            self._on_round()
 
     async def round(self) -> None:
         await self._job("outbox", self._outbox)

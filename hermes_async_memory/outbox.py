@@ -26,10 +26,12 @@ import errno
 import fcntl
 import json
 import mmap
+import operator
 import os
 import struct
 import threading
 import zlib
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +110,10 @@ def os_error(exc: OSError, what: str) -> Exception:
     if exc.errno in _ACCESS_ERRNOS:
         return StoreAccessError(f"cannot use {what}: {exc.strerror or exc}")
     return CorruptOutboxError(f"cannot use {what}: {exc}")
+
+
+_SEGMENT_OF = operator.attrgetter("segment")
+_PAYLOAD_OF = operator.attrgetter("payload")
 
 
 class Record(NamedTuple):
@@ -413,13 +419,15 @@ class Outbox:
         are settled in the order they were read."""
         if not records:
             return
+        per_segment = Counter(map(_SEGMENT_OF, records))
+        nbytes = sum(map(len, map(_PAYLOAD_OF, records)))
         with self._lock:
             segments = self._segments
-            for r in records:
-                seg = segments.get(r.segment)
+            for number, n in per_segment.items():
+                seg = segments.get(number)
                 if seg is not None:
-                    seg.done += 1
-                self._pending_bytes -= len(r.payload)
+                    seg.done += n
+            self._pending_bytes -= nbytes
             last = records[-1]
             self._done_seq = max(self._done_seq, last.seq)
             self._settled = (last.segment, last.offset + HEADER_BYTES + len(last.payload))
@@ -665,3 +673,72 @@ def _count_messages(payload: bytes) -> int:
         return len(json.loads(payload)["m"])
     except (ValueError, KeyError, TypeError, RecursionError):
         return 0
+
+
+class RecordSummary(NamedTuple):
+    """One intact record found by ``inspect``: its turn's key and accept time when its
+    JSON reads (None when it does not)."""
+
+    segment: Path
+    key: str | None
+    accepted_at: float | None
+
+
+def inspect(directory: Path) -> tuple[list[Path], list[RecordSummary]]:
+    """The segment files of an outbox folder and every intact record in them, read-only and
+    without the folder's lock (beside a running pipeline): a record being appended reads as
+    the end of the log, damage is stepped over, a segment deleted meanwhile is skipped.
+
+    Raises:
+        OSError: the folder or a segment cannot be read (permissions).
+    """
+    segments: list[Path] = []
+    records: list[RecordSummary] = []
+    for path in sorted(directory.glob("*" + _SUFFIX)):
+        if not path.stem.isdigit():
+            continue
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    continue
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                    found = _summaries(mm, path, size)
+        except FileNotFoundError:
+            continue  # settled and removed since it was listed
+        segments.append(path)
+        records += found
+    return segments, records
+
+
+def _summaries(mm: mmap.mmap, path: Path, end: int) -> list[RecordSummary]:
+    if _LEGACY.unpack_from(mm, 0)[0] not in (0, _MAGIC_U32):
+        payloads = []
+        off = 0
+        while off + _LEGACY.size <= end:
+            size, crc = _LEGACY.unpack_from(mm, off)
+            if size == 0 or off + 8 + size > end or zlib.crc32(mm[off + 8: off + 8 + size]) != crc:
+                break
+            payloads.append(mm[off + 8 : off + 8 + size])
+            off += 8 + size
+    else:
+        payloads = []
+        off = 0
+        while off + HEADER_BYTES <= end:
+            size = _valid_at(mm, off, end)  # type: ignore[arg-type]
+            if size < 0:
+                nxt = _next_valid(mm, off + 1, end)  # type: ignore[arg-type]
+                if nxt is None:
+                    break
+                off = nxt
+                continue
+            payloads.append(mm[off + HEADER_BYTES : off + HEADER_BYTES + size])
+            off += HEADER_BYTES + size
+    out = []
+    for payload in payloads:
+        try:
+            doc = json.loads(payload)
+            out.append(RecordSummary(path, str(doc["k"]), float(doc["t"])))
+        except (ValueError, KeyError, TypeError, RecursionError):
+            out.append(RecordSummary(path, None, None))
+    return out

@@ -31,11 +31,12 @@ from .shared.inbox import InboxSource, lease_owner
 from .shared.recall import RecallServer, RemoteRecaller, ResultsPoller
 from .shared.slots import ProducerSlots
 from .sinks import ForwardSink, StoreSink
+from .slices import CHUNK, maybe_yield
 from .sources import OutboxSource
 from .stats import PipelineStats, percentile
 from .supervisor import Supervisor
 from .turns import Turn, scope_token_for
-from .writer import CHUNK, Source, TimeSlice, Writer
+from .writer import Source, Writer
 
 if TYPE_CHECKING:
     from .pipeline import MemoryPipeline
@@ -74,10 +75,9 @@ class Parts:
         note = p.cache.note_commit
         lat = p.meter.latencies_s
         rows = 0
-        slice_ = TimeSlice()
         for i in range(0, len(turns), CHUNK):
             if i:
-                await slice_.maybe_yield()
+                await maybe_yield()
             for t in turns[i : i + CHUNK]:
                 note(t.user_id, t.session_id, t.key, t.user_text, t.assistant_text, now)
                 lat.append(wall - t.accepted_at)
@@ -173,7 +173,7 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
         worker_slots = ProducerSlots(s, ForwardSink(store), backoff)
         adopt = lambda: worker_slots.adopt_free(first_segment)  # noqa: E731
     maintenance = Maintenance(s, store, outbox, conditions=p.conditions, commits=commits,
-                              adopt=adopt, clock=p.clock)
+                              adopt=adopt, clock=p.clock, on_round=p.changed)
     if commits:
         await maintenance.refresh_vocab()
     supervisor = Supervisor(backoff=backoff, conditions=p.conditions, on_failure=on_failure,

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -164,6 +165,11 @@ class MemoryPipeline:
     def state(self) -> str:
         """"new", "open", "failed", "closing" or "closed"."""
         return "failed" if self._failure is not None and self._state == OPEN else self._state
+
+    @property
+    def outbox_dir(self) -> Path | None:
+        """The outbox folder this pipeline accepts into (a producer's own slot), once open."""
+        return None if self._parts is None else self._parts.outbox.directory
 
     @property
     def failure(self) -> PipelineFailedError | None:

@@ -9,18 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .slices import CHUNK, maybe_yield
 from .store import Batch, SqliteStore
 from .turns import Turn
-from .writer import CHUNK, TimeSlice, Unreadable
+from .writer import Unreadable
 
 
 async def build_batch(turns: Sequence[Turn], source: str) -> Batch:
     """A batch's parameters, built a chunk at a time so the loop keeps running."""
     batch = Batch(source)
-    slice_ = TimeSlice()
     for i in range(0, len(turns), CHUNK):
         if i:
-            await slice_.maybe_yield()
+            await maybe_yield()
         batch.add(turns[i : i + CHUNK])
     return batch
 

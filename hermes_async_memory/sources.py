@@ -16,8 +16,9 @@ from collections.abc import Sequence
 from .barrier import CommitBarrier
 from .errors import describe
 from .outbox import Outbox, Record
+from .slices import CHUNK, maybe_yield
 from .turns import Turn
-from .writer import CHUNK, TimeSlice, Unreadable, Work
+from .writer import Unreadable, Work
 
 # The key and session of a record whose JSON does not parse, when its head is still whole.
 _HEAD = re.compile(r'^\{"k":("(?:[^"\\]|\\.)*"),"s":("(?:[^"\\]|\\.)*")')
@@ -44,9 +45,9 @@ class OutboxSource:
         if self._inflight:  # a restarted writer: what it had not settled, first
             records = [r for r in self._inflight if r.seq not in self._settled]
         else:
+            await maybe_yield()
             records = []
             recovering = self.outbox.unread() and self._reading_recovered()
-            slice_ = TimeSlice()
             used = 0
             while len(records) < max_turns and used < max_bytes:
                 chunk = self.outbox.read(min(CHUNK, max_turns - len(records)),
@@ -55,25 +56,32 @@ class OutboxSource:
                     break
                 records.extend(chunk)
                 used += sum(len(r.payload) for r in chunk)
-                await slice_.maybe_yield()
+                await maybe_yield()
             self._inflight.extend(records)
         if not records:
             return None
         items: list[Turn | Unreadable] = []
-        slice_ = TimeSlice()
         for i, r in enumerate(records):
             items.append(decode(r))
             if i % CHUNK == CHUNK - 1:
-                await slice_.maybe_yield()
+                await maybe_yield()
         return Work(items, replay=records[0].seq <= self.outbox.recovered)
 
     def _reading_recovered(self) -> bool:
         return self.outbox.accepted() - self.outbox.unread() < self.outbox.recovered
 
     async def settle(self, items: Sequence[Turn | Unreadable], *, committed: bool) -> None:
+        inflight = self._inflight
+        if (not self._settled and len(items) == len(inflight)
+                and items[0].seq == inflight[0].seq and items[-1].seq == inflight[-1].seq):
+            # The whole batch, in order: the usual case.
+            prefix = list(inflight)
+            inflight.clear()
+            self.outbox.mark_done(prefix)
+            self._barrier.settle(prefix[-1].seq)
+            return
         settled = self._settled
         settled.update(item.seq for item in items)
-        inflight = self._inflight
         prefix: list[Record] = []
         while inflight and inflight[0].seq in settled:
             record = inflight.popleft()

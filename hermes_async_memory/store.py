@@ -10,19 +10,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import aiosqlite
+import anyio
 import structlog
 
-from .errors import StoreError
+from .errors import (
+    CorruptStoreError,
+    DiskFullError,
+    LeaseLostError,
+    StoreAccessError,
+    StoreError,
+)
+from .faults import SQLITE_CORRUPT, SQLITE_FULL, SQLITE_NOTADB, sqlite_code
 from .turns import Turn
 
 log = structlog.get_logger(__name__)
@@ -141,7 +150,14 @@ CREATE INDEX IF NOT EXISTS idx_replica_outbox_session
 _ADDED_COLUMNS = (
     ("recall_results", "source", "TEXT NOT NULL DEFAULT 'local'"),
     ("recall_results", "fallback", "INTEGER NOT NULL DEFAULT 0"),
+    # A turn a producer could not write, handed in with why: the worker dead-letters it.
+    ("inbox", "error", "TEXT"),
 )
+# The pipeline's writing connections wait this long for the write lock per statement, then
+# the pipeline retries with backoff itself: SQLite's interrupt() does not break a busy wait,
+# so a long busy timeout would hold every shutdown deadline hostage.
+STATEMENT_BUSY_MS = 100
+_SQLITE_MAGIC = b"SQLite format 3\x00"
 # Set on the writer connection: a batch of inbox turns commits only while its lease holds.
 _LEASE_GUARD = """
 CREATE TEMP TABLE IF NOT EXISTS lease_guard (held INTEGER NOT NULL CHECK (held));
@@ -166,7 +182,7 @@ WHERE id IN (
           WHERE j.session_id = i.session_id AND j.id < i.id AND j.lease_owner != :owner
             AND j.lease_until >= :now)
     ORDER BY i.id LIMIT :limit)
-RETURNING id, key, session_id, accepted_at, payload
+RETURNING id, key, session_id, accepted_at, payload, error
 """
 
 # Sessions are created lazily and their counters summed, from the messages the batch just
@@ -389,10 +405,13 @@ class SqliteStore:
     """The system of record. ``open()`` before use, ``aclose()`` after."""
 
     def __init__(self, path: Path, *, readers: int = 2, busy_timeout_ms: int = 10_000,
-                 source: str = "api") -> None:
+                 source: str = "api", statement_busy_ms: int = STATEMENT_BUSY_MS,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.path = Path(path)
         self._readers_n = readers
         self._busy_timeout_ms = busy_timeout_ms
+        self._statement_busy_ms = min(statement_busy_ms, busy_timeout_ms)
+        self.now = wall_clock
         self.source = source
         self._writer: aiosqlite.Connection | None = None
         # Small autocommit writes beside the writer's batches (recall requests and results),
@@ -414,11 +433,22 @@ class SqliteStore:
             StoreError: the file cannot be opened or is not a store of ours.
         """
         try:
+            _check_folder(self.path)
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_dir():
+                raise StoreAccessError(f"cannot use the store {self.path}: it is a directory")
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-            os.close(fd)
+            try:
+                head = os.read(fd, len(_SQLITE_MAGIC))
+            finally:
+                os.close(fd)
+            if head and not _SQLITE_MAGIC.startswith(head[: len(_SQLITE_MAGIC)]):
+                raise CorruptStoreError(self.path, "the file is not a SQLite database")
             os.chmod(self.path, 0o600)
-            self._writer = await self._connect()
+        except OSError as exc:
+            raise _os_error(self.path, exc) from exc
+        try:
+            self._writer = await self._connect(busy_ms=self._statement_busy_ms)
             await self._writer.executescript(SCHEMA)
             async with self._writer.execute("SELECT version FROM schema_version") as cur:
                 row = await cur.fetchone()
@@ -442,9 +472,31 @@ class SqliteStore:
                 conn = await self._connect(readonly=True)
                 self._all_readers.append(conn)
                 self._readers.put_nowait(conn)
+            await self._check_tables()
         except (sqlite3.Error, OSError) as exc:
             await self.aclose()
+            code = sqlite_code(exc)
+            if code in (SQLITE_CORRUPT, SQLITE_NOTADB):
+                raise CorruptStoreError(self.path, str(exc)) from exc
+            if code == SQLITE_FULL:
+                raise DiskFullError(f"no space left for the store {self.path}: {exc}") from exc
+            if isinstance(exc, OSError):
+                raise _os_error(self.path, exc) from exc
+            if isinstance(exc, sqlite3.OperationalError) and any(
+                    t in str(exc) for t in ("readonly", "unable to open", "read-only")):
+                raise StoreAccessError(f"cannot write the store {self.path}: {exc}") from exc
             raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _check_tables(self) -> None:
+        """One cheap read of every table: a damaged page behind them shows now, not later."""
+        for query in ("SELECT max(rowid) FROM sessions", "SELECT max(id) FROM messages",
+                      "SELECT max(key) FROM outbox", "SELECT max(id) FROM inbox",
+                      "SELECT max(id) FROM replica_outbox"):
+            async with self.writer.execute(query) as cur:
+                await cur.fetchone()
 
     async def _add_missing_columns(self) -> None:
         """Columns added since a table was first created (CREATE IF NOT EXISTS keeps an
@@ -455,10 +507,12 @@ class SqliteStore:
             if column not in have:
                 await self.writer.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
-    async def _connect(self, *, readonly: bool = False) -> aiosqlite.Connection:
+    async def _connect(self, *, readonly: bool = False, busy_ms: int | None = None
+                       ) -> aiosqlite.Connection:
         conn = await aiosqlite.connect(self.path, isolation_level=None)
         try:
-            await conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            busy = self._busy_timeout_ms if busy_ms is None else busy_ms
+            await conn.execute(f"PRAGMA busy_timeout = {int(busy)}")
             await conn.execute("PRAGMA journal_mode = WAL")
             await conn.execute("PRAGMA synchronous = NORMAL")
             if readonly:
@@ -471,30 +525,40 @@ class SqliteStore:
         return conn
 
     async def checkpoint(self) -> None:
+        """Copy the WAL into the database and truncate it: gives back the space the WAL grew
+        to (after a full disk, say)."""
         await self.writer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
-    async def forward_refused(self, rows: Sequence[tuple[str, str, float, str, str]]) -> None:
-        raise NotImplementedError("store package pending")
-
     async def prune_recall_results(self, older_than: float) -> int:
-        cur = await self.writer.execute("DELETE FROM recall_results WHERE updated_at < ?",
-                                        (older_than,))
+        cur = await (await self.aux()).execute(
+            "DELETE FROM recall_results WHERE updated_at < ?", (older_than,))
         return cur.rowcount
 
     async def aclose(self, timeout_s: float | None = None) -> None:
-        """Close readers, then the writer. Idempotent."""
-        readers, self._all_readers = self._all_readers, []
-        for conn in reversed(readers):
+        """Stop what runs (``interrupt``), close readers, then the writers, within
+        ``timeout_s`` in all. Idempotent.
+
+        A connection whose close does not finish in time is left to finish on its own
+        thread (it ends once the statement it is in does; a busy wait lasts at most
+        ``statement_busy_ms``).
+        """
+        conns = [*reversed(self._all_readers), self._aux, self._writer]
+        self._all_readers, self._aux, self._writer = [], None, None
+        open_conns = [c for c in conns if c is not None]
+        for conn in open_conns:
             with contextlib.suppress(sqlite3.Error, ValueError):
-                await conn.close()
-        aux, self._aux = self._aux, None
-        if aux is not None:
-            with contextlib.suppress(sqlite3.Error, ValueError):
-                await aux.close()
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            with contextlib.suppress(sqlite3.Error, ValueError):
-                await writer.close()
+                await conn.interrupt()  # a running statement stops now
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for conn in open_conns:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with anyio.move_on_after(left) as scope:
+                try:
+                    await conn.close()
+                except (sqlite3.Error, ValueError) as exc:
+                    log.warning("store_close_failed", error=str(exc))
+            if scope.cancelled_caught:
+                log.warning("store_close_abandoned", db=str(self.path),
+                            detail="a statement is still running on its thread")
 
     async def aux(self) -> aiosqlite.Connection:
         """The connection for small writes outside the writer's batches (opened on first use)."""
@@ -502,7 +566,7 @@ class SqliteStore:
             raise StoreError("the store is not open")
         async with self._aux_lock:  # two first callers must not open two connections
             if self._aux is None:
-                self._aux = await self._connect()
+                self._aux = await self._connect(busy_ms=self._statement_busy_ms)
         return self._aux
 
     @property
@@ -533,7 +597,7 @@ class SqliteStore:
         # The batch's messages are the last n_messages rows once inserted: ids are
         # consecutive inside the transaction.
         start = f"((SELECT max(id) FROM messages) - {int(batch.n_messages)})"
-        now = repr(time.time())
+        now = repr(self.now())
         script = [_INSERT_REPLICA.format(backend=sql_literal(self.replica), start=start)
                   ] if self.replica else []
         script += [_INDEX_BATCH.format(start=start),
@@ -584,10 +648,31 @@ class SqliteStore:
                     "".join(["BEGIN IMMEDIATE;", head, *batch.literal_parts(), tail, *script])
                 )
             await self._commit_transaction()
+        except sqlite3.IntegrityError as exc:
+            with contextlib.suppress(sqlite3.Error):
+                await db.execute("ROLLBACK")
+            if batch.inbox_ids and not await self._lease_holds(batch):
+                raise LeaseLostError(
+                    f"the lease on {len(batch.inbox_ids)} inbox turns was taken over") from exc
+            raise
         except BaseException:
             with contextlib.suppress(sqlite3.Error):
                 await db.execute("ROLLBACK")
             raise
+
+    async def _lease_holds(self, batch: Batch) -> bool:
+        """Whether ``batch.lease_owner`` still holds every one of its inbox turns."""
+        ids = [int(i) for i in batch.inbox_ids]
+        held = 0
+        for i in range(0, len(ids), _KEY_CHUNK):
+            chunk = ids[i : i + _KEY_CHUNK]
+            async with self.writer.execute(
+                f"SELECT count(*) FROM inbox WHERE id IN ({','.join('?' * len(chunk))}) "
+                "AND lease_owner = ?", (*chunk, batch.lease_owner),
+            ) as cur:
+                row = await cur.fetchone()
+            held += int(row[0]) if row else 0
+        return held == len(ids)
 
     async def _commit_transaction(self) -> None:
         await self.writer.execute("COMMIT")
@@ -595,7 +680,7 @@ class SqliteStore:
     async def dead_letter(self, turn: Turn, error: str, attempts: int, payload: bytes) -> None:
         """Keep a turn that cannot be stored, with why; it is no longer retried."""
         db = self.writer
-        now = time.time()
+        now = self.now()
         await db.execute(
             _INSERT_DEAD,
             (turn.key, turn.session_id, turn.segment, attempts, error[:2000], payload,
@@ -649,22 +734,32 @@ class SqliteStore:
                 await db.execute("ROLLBACK")
             raise
 
+    async def forward_refused(self, rows: Sequence[tuple[str, str, float, str, str]]) -> None:
+        """A producer hands in turns it could not write, with why (key, session_id,
+        accepted_at, record, reason): the worker dead-letters them under its lease. Only
+        workers write to the store's own tables."""
+        await self.writer.executemany(
+            "INSERT INTO inbox (key, session_id, accepted_at, payload, error) "
+            "VALUES (?, ?, ?, ?, ?) ON CONFLICT (key) DO NOTHING",
+            [(k, s, float(at), record, reason[:2000]) for k, s, at, record, reason in rows],
+        )
+
     async def claim_inbox(
         self, owner: str, lease_s: float, limit: int
-    ) -> list[tuple[int, str, str, float, str]]:
+    ) -> list[tuple[int, str, str, float, str, str | None]]:
         """Claim up to ``limit`` inbox turns for ``lease_s``, oldest first:
-        (inbox id, key, session_id, accepted_at, record)."""
-        now = time.time()
+        (inbox id, key, session_id, accepted_at, record, error a producer handed it in with)."""
+        now = self.now()
         params = {"owner": owner, "until": now + lease_s, "now": now, "limit": limit}
         async with self.writer.execute(_CLAIM, params) as cur:
             rows = await cur.fetchall()
-        return sorted((int(r[0]), str(r[1]), str(r[2]), float(r[3]), str(r[4]), None)
-                      for r in rows)
+        return sorted((int(r[0]), str(r[1]), str(r[2]), float(r[3]), str(r[4]),
+                       None if r[5] is None else str(r[5])) for r in rows)
 
     async def lease_owners(self) -> list[str]:
         """The workers holding live claims on inbox turns."""
         sql = "SELECT DISTINCT lease_owner FROM inbox WHERE lease_until >= ?"
-        async with self.writer.execute(sql, (time.time(),)) as cur:
+        async with self.writer.execute(sql, (self.now(),)) as cur:
             return [str(r[0]) for r in await cur.fetchall()]
 
     async def release_leases(self, owner: str) -> int:
@@ -699,7 +794,7 @@ class SqliteStore:
             "ON CONFLICT (session_id) DO UPDATE SET user_id = excluded.user_id, "
             "query = excluded.query, after_id = excluded.after_id, "
             "requested_at = excluded.requested_at",
-            (session_id, user_id, query, time.time()),
+            (session_id, user_id, query, self.now()),
         )
 
     async def take_recall_requests(self, limit: int) -> list[tuple[str, str | None, str, int]]:
@@ -734,7 +829,7 @@ class SqliteStore:
             "query = excluded.query, block = excluded.block, version = excluded.version, "
             "updated_at = excluded.updated_at, source = excluded.source, "
             "fallback = excluded.fallback",
-            (session_id, user_id, query, block, time.time(), source, int(fallback)),
+            (session_id, user_id, query, block, self.now(), source, int(fallback)),
         )
 
     async def recall_results_since(
@@ -816,7 +911,7 @@ class SqliteStore:
                              counted: bool = True) -> None:
         """(row id, reason, dead): a dead row stops; the others count one more attempt,
         unless not ``counted`` (the backend was unavailable: no attempt was really made)."""
-        now = time.time()
+        now = self.now()
         await (await self.aux()).executemany(
             "UPDATE replica_outbox SET attempts = attempts + ?, last_error = ?, updated_at = ?, "
             "status = CASE WHEN ? THEN 'dead' ELSE status END WHERE id = ?",
@@ -1010,7 +1105,7 @@ class SqliteStore:
                 await db.execute(
                     "UPDATE outbox SET attempts = attempts + 1, last_error = ?, updated_at = ? "
                     "WHERE key = ? AND status = 'dead'",
-                    (error[:2000], time.time(), key),
+                    (error[:2000], self.now(), key),
                 )
                 return error
             await self._commit_transaction()
@@ -1019,6 +1114,23 @@ class SqliteStore:
             with contextlib.suppress(sqlite3.Error):
                 await db.execute("ROLLBACK")
             raise
+
+
+def _check_folder(path: Path) -> None:
+    """Raises StoreAccessError when the nearest existing folder above ``path`` is a file."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise StoreAccessError(
+                    f"cannot use the store {path}: {parent} is not a directory")
+            return
+
+
+def _os_error(path: Path, exc: OSError) -> StoreError:
+    """The typed error for a file-system failure at open."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"no space left for the store {path}: {exc.strerror}")
+    return StoreAccessError(f"cannot use the store {path}: {exc.strerror or exc}")
 
 
 def _dead_turn(key: str, segment: int, payload: bytes | str | None) -> Turn:

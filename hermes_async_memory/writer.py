@@ -32,33 +32,13 @@ from .errors import LeaseLostError, describe
 from .faults import Fault, classify, is_disk_full
 from .metrics import PipelineObserver
 from .retry import Backoff
+from .slices import begin, maybe_yield
 from .supervisor import Conditions
 from .turns import Turn
 
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
-
-# The writer's Python work (decoding records, building a batch's parameters, refreshing the
-# cache) runs in steps of CHUNK records and yields to the loop once a slice of SLICE_S has
-# been used: few yields when the work is quick, and never a long stall of the loop.
-CHUNK = 100
-SLICE_S = 0.0005
-
-
-class TimeSlice:
-    """Time-sliced cooperation for a run of Python work on the event loop."""
-
-    __slots__ = ("_until",)
-
-    def __init__(self) -> None:
-        self._until = time.perf_counter() + SLICE_S
-
-    async def maybe_yield(self) -> None:
-        if time.perf_counter() >= self._until:
-            await anyio.lowlevel.checkpoint()
-            self._until = time.perf_counter() + SLICE_S
-
 
 @dataclass(frozen=True, slots=True)
 class Unreadable:
@@ -219,6 +199,7 @@ class Writer:
         poll = any(s.polls for s in self._sources)
         with anyio.move_on_after(self._poll_s if poll else None):
             await self._wake.wait()
+        begin()
 
     def set_poll_interval(self, seconds: float) -> None:
         self._poll_s = seconds
@@ -260,6 +241,7 @@ class Writer:
         while True:
             try:
                 rows = await self._sink.commit(turns, source.lease_owner)
+                begin()  # back from the store's thread: a fresh slice for the bookkeeping
                 break
             except LeaseLostError:
                 # Our claim expired and another worker took these turns: they are its now.
@@ -283,7 +265,9 @@ class Writer:
         self._observer.batch_committed(len(turns), rows, now - started)
         for listener in self._listeners:  # before the barrier moves: a flush then finds them
             await listener(turns, source)
+            await maybe_yield()
         await source.settle(turns, committed=True)
+        await maybe_yield()
         log.info(
             f"batch_{self._sink.name}", turns=len(turns), rows=rows, source=source.name,
             sessions=len({t.session_id for t in turns}), attempts=attempt + 1,

@@ -59,12 +59,12 @@ def test_a_db_path_under_a_file_is_one_line_and_exit_1(tmp_path: Path) -> None:
 
     line = assert_one_error_line(hermes_memory("worker", "--db", str(db)), 1)
 
-    assert "cannot open the store" in line and str(db) in line
+    assert f"cannot use the store {db}: {not_a_dir} is not a directory" in line
 
 
 def test_a_db_path_that_is_a_directory_is_one_line_and_exit_1(tmp_path: Path) -> None:
     line = assert_one_error_line(hermes_memory("worker", "--db", str(tmp_path)), 1)
-    assert "cannot open the store" in line
+    assert f"cannot use the store {tmp_path}: it is a directory" in line
 
 
 def test_a_file_that_is_not_a_store_is_one_line_and_exit_1(tmp_path: Path) -> None:
@@ -76,7 +76,9 @@ def test_a_file_that_is_not_a_store_is_one_line_and_exit_1(tmp_path: Path) -> No
         capture_output=True, text=True, env=child_env(), timeout=30, check=False,
     )
 
-    assert "not a database" in assert_one_error_line(result, 1)
+    line = assert_one_error_line(result, 1)
+    assert f"the store {db} is damaged or not a memory store" in line
+    assert "not a SQLite database" in line
 
 
 def test_a_negative_deadline_is_a_usage_error(tmp_path: Path) -> None:

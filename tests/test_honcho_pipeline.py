@@ -49,12 +49,13 @@ def each_once_in_order(keys: list[str]) -> list[tuple[str, int]]:
     return [(k, i) for k in keys for i in range(2)]  # a user and an assistant message
 
 
-async def eventually(check: Callable[[], bool], what: str, within: float = WAIT_S) -> None:
-    """Replication runs on its own; there is no event a test can await: poll ``check``."""
-    with anyio.fail_after(within):
-        while not check():  # noqa: ASYNC110
-            await anyio.sleep(0.02)
-    assert check(), what
+async def eventually(mem: MemoryPipeline, check: Callable[[], bool], what: str) -> None:
+    """Wait for ``check``: the pipeline wakes its waiters after each replica write, recall
+    and commit."""
+    try:
+        await mem.wait_until(check, timeout=WAIT_S)
+    except TimeoutError:
+        raise AssertionError(f"not within {WAIT_S} s: {what}") from None
 
 
 def accept(mem: MemoryPipeline, sessions: int, turns: int, prefix: str = "s",
@@ -77,7 +78,7 @@ async def test_turns_of_50_sessions_reach_honcho_in_order_exactly_once(
         assert isinstance(mem.backend, HonchoBackend)
         keys = accept(mem, 50, 6)
         await mem.flush()
-        await eventually(lambda: mem.stats().replicated_turns == 300, "all replicated")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 300, "all replicated")
     for sid, ks in keys.items():
         assert on_server(fake, sid) == each_once_in_order(ks), sid
     assert count_rows(tmp_path / "memory.db", "SELECT count(*) FROM replica_outbox") == 0
@@ -93,7 +94,7 @@ async def test_500s_429s_and_timeouts_after_commit_lose_and_duplicate_nothing(
     async with MemoryPipeline(settings(tmp_path), backend) as mem:
         keys = accept(mem, 10, 8)
         await mem.flush()
-        await eventually(lambda: mem.stats().replicated_turns == 80, "all replicated")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 80, "all replicated")
         assert mem.stats().replica_dead == 0
     for sid, ks in keys.items():
         assert on_server(fake, sid) == each_once_in_order(ks), sid
@@ -108,29 +109,31 @@ async def test_a_30_s_outage_loses_nothing_and_prefetch_serves_the_last_good_blo
     async with MemoryPipeline(settings(tmp_path), backend) as mem:
         before = accept(mem, 5, 2, text=lambda i, n: f"I keep bees in hive {i} number {n}")
         await mem.flush()
-        await eventually(lambda: mem.stats().replicated_turns == 10, "replicated")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 10, "replicated")
         mem.queue_prefetch("bees", session_id="s0", user_id="u0")
-        await eventually(lambda: mem.prefetch_status("s0").source == "honcho", "recalled")
-        good = mem.prefetch("", session_id="s0")
-        assert "bees" in good and not mem.prefetch_status("s0").stale
+        await eventually(mem, lambda: mem.prefetch_status("s0", user_id="u0").source == "honcho", "recalled")
+        good = mem.prefetch("", session_id="s0", user_id="u0")
+        assert "bees" in good and not mem.prefetch_status("s0", user_id="u0").stale
 
         fake.down()
         during = accept(mem, 5, 4, prefix="s")
         await mem.flush()  # durable in the store; Honcho cannot have them yet
         runs = mem.stats().recalls_run
         mem.queue_prefetch("bees again", session_id="s0", user_id="u0")
-        await eventually(lambda: mem.stats().recalls_run > runs, "the recall ran")
-        status = mem.prefetch_status("s0")
+        await eventually(mem, lambda: mem.stats().recalls_run > runs
+                         and mem.prefetch_status("s0", user_id="u0").stale, "the recall ran")
+        status = mem.prefetch_status("s0", user_id="u0")
         assert status.source == "honcho" and status.stale, "the last good block, marked stale"
-        assert "bees" in mem.prefetch("", session_id="s0")
+        assert "bees" in mem.prefetch("", session_id="s0", user_id="u0")
         await anyio.sleep(OUTAGE_S)  # the outage itself, not a wait for the pipeline
         assert mem.stats().replica_dead == 0, "an outage is not a reason to give a turn up"
         fake.up()
-        await eventually(lambda: mem.stats().replicated_turns == 30, "the backlog caught up")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 30, "the backlog caught up")
         runs = mem.stats().recalls_run
         mem.queue_prefetch("bees now", session_id="s0", user_id="u0")
-        await eventually(lambda: mem.stats().recalls_run > runs, "the recall ran")
-        assert not mem.prefetch_status("s0").stale
+        await eventually(mem, lambda: mem.prefetch_status("s0", user_id="u0").recall_query
+                         == "bees now", "the recall ran")
+        assert not mem.prefetch_status("s0", user_id="u0").stale
     for sid in before:
         assert on_server(fake, sid) == each_once_in_order(before[sid] + during[sid]), sid
 
@@ -146,8 +149,8 @@ async def test_a_message_honcho_refuses_is_a_dead_letter_and_its_session_goes_on
         later = [mem.sync_turn(f"later {n}", "ok", session_id="s", user_id="u").key
                  for n in range(3)]
         await mem.flush()
-        await eventually(lambda: mem.stats().replicated_turns == 4, "the others went out")
-        await eventually(lambda: mem.stats().replica_dead == 1, "the refused one is dead")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 4, "the others went out")
+        await eventually(mem, lambda: mem.stats().replica_dead == 1, "the refused one is dead")
     assert on_server(fake, "s") == each_once_in_order([first, *later])
     reason = count_rows(
         tmp_path / "memory.db",

@@ -29,12 +29,13 @@ from .helpers import count_rows
 WAIT_S = 30.0
 
 
-async def eventually(check: Callable[[], bool], what: str) -> None:
-    """The replicator's progress has no event a test can await: poll ``check``."""
-    with anyio.fail_after(WAIT_S):
-        while not check():  # noqa: ASYNC110
-            await anyio.sleep(0.01)
-    assert check(), what
+async def eventually(mem: MemoryPipeline, check: Callable[[], bool], what: str) -> None:
+    """Wait for ``check``: the pipeline wakes its waiters after every replica write,
+    recall and commit."""
+    try:
+        await mem.wait_until(check, timeout=WAIT_S)
+    except TimeoutError:
+        raise AssertionError(f"not within {WAIT_S} s: {what}") from None
 
 
 class ScriptedBackend(InMemoryBackend):
@@ -49,12 +50,14 @@ class ScriptedBackend(InMemoryBackend):
         self.refuse: set[str] = set()
         self.down = False
         self.hold: anyio.Event | None = None
+        self.called = anyio.Event()  # set by the first write
         self.calls = 0
         self.maybe_sent_calls = 0
         self.answer: str | None = None
 
     async def write(self, turns: Sequence[Turn], *, maybe_sent: bool = False) -> None:
         self.calls += 1
+        self.called.set()
         self.maybe_sent_calls += maybe_sent
         if self.hold is not None:
             await self.hold.wait()
@@ -92,7 +95,7 @@ async def test_every_committed_turn_reaches_the_backend_once_in_session_order(
             accepted.setdefault(sid, []).append(
                 mem.sync_turn(f"q{i}", f"a{i}", session_id=sid, user_id=f"u{i % 4}").key)
         await mem.flush()
-        await eventually(lambda: mem.stats().replicated_turns == 1200, "all replicated")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 1200, "all replicated")
         assert mem.stats().replica_errors == 0
     for sid, keys in accepted.items():
         assert backend.keys(sid) == keys, f"{sid}: each turn once, in accept order"
@@ -111,13 +114,14 @@ async def test_turns_not_yet_replicated_at_close_are_sent_by_the_next_start_once
         for i in range(50):
             keys.append(mem.sync_turn(f"q{i}", f"a{i}", session_id="s").key)
         await mem.flush()
-        await eventually(lambda: backend.calls >= 1, "a write is in flight")
+        with anyio.fail_after(WAIT_S):
+            await backend.called.wait()  # a write is in flight
     assert backend.keys("s") == []
     assert count_rows(tmp_path / "memory.db", "SELECT count(*) FROM replica_outbox") == 50
 
     again = ScriptedBackend()
     async with MemoryPipeline(settings(tmp_path), again) as mem:
-        await eventually(lambda: mem.stats().replicated_turns == 50, "the backlog went out")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 50, "the backlog went out")
     assert again.keys("s") == keys
     assert again.maybe_sent_calls >= 1, "a replay says the turns may have been sent already"
 
@@ -127,13 +131,13 @@ async def test_a_refused_turn_is_a_dead_letter_and_its_session_goes_on(tmp_path:
     async with MemoryPipeline(settings(tmp_path), backend) as mem:
         first = mem.sync_turn("fine", "ok", session_id="s").key
         await mem.flush()
-        await eventually(lambda: mem.stats().replicated_turns == 1, "first replicated")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 1, "first replicated")
         bad = mem.sync_turn("refused one", "ok", session_id="s").key
         backend.refuse.add(bad)
         later = [mem.sync_turn(f"later {i}", "ok", session_id="s").key for i in range(3)]
         await mem.flush()
-        await eventually(lambda: mem.stats().replicated_turns == 4, "the later turns went out")
-        await eventually(lambda: mem.stats().replica_dead == 1, "the dead letter is counted")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 4, "the later turns went out")
+        await eventually(mem, lambda: mem.stats().replica_dead == 1, "the dead letter is counted")
     assert backend.keys("s") == [first, *later]
     conn_rows = count_rows(
         tmp_path / "memory.db",
@@ -150,11 +154,11 @@ async def test_an_unreachable_backend_loses_nothing_and_counts_no_attempts(
     async with MemoryPipeline(settings(tmp_path).replace(replica_max_attempts=2), backend) as mem:
         keys = [mem.sync_turn(f"q{i}", "a", session_id="s").key for i in range(20)]
         await mem.flush()
-        await eventually(lambda: backend.calls >= 4, "several tries while down")
+        await eventually(mem, lambda: backend.calls >= 4, "several tries while down")
         assert mem.stats().replica_dead == 0
         sends_while_down = backend.calls
         backend.down = False
-        await eventually(lambda: mem.stats().replicated_turns == 20, "caught up")
+        await eventually(mem, lambda: mem.stats().replicated_turns == 20, "caught up")
     assert backend.keys("s") == keys
     # Tried before, even uncounted: the backend is told to check what it already holds.
     assert backend.maybe_sent_calls >= backend.calls - sends_while_down >= 1
@@ -169,25 +173,28 @@ async def test_prefetch_keeps_the_last_good_backend_block_marked_stale_while_it_
     async def recalled(mem: MemoryPipeline, query: str) -> None:
         before = mem.stats().recalls_run
         mem.queue_prefetch(query, session_id="s", user_id="u")
-        await eventually(lambda: mem.stats().recalls_run > before, "the recall ran")
+        # It ran: its block is in, or the backend failed and the last good one is stale.
+        await eventually(mem, lambda: mem.stats().recalls_run > before and (
+            mem.prefetch_status("s", user_id="u").recall_query == query
+            or mem.prefetch_status("s", user_id="u").stale), "the recall ran")
 
     async with MemoryPipeline(settings(tmp_path), backend) as mem:
         mem.sync_turn("i like tea", "noted", session_id="s", user_id="u")
         await mem.flush()
         await recalled(mem, "what do I like")
-        status = mem.prefetch_status("s")
+        status = mem.prefetch_status("s", user_id="u")
         assert status.source == "scripted" and not status.stale
-        assert "prefers tea" in mem.prefetch("", session_id="s")
+        assert "prefers tea" in mem.prefetch("", session_id="s", user_id="u")
 
         backend.down = True
         await recalled(mem, "what do I like now")
-        status = mem.prefetch_status("s")
+        status = mem.prefetch_status("s", user_id="u")
         assert status.source == "scripted" and status.stale
-        assert "prefers tea" in mem.prefetch("", session_id="s")
+        assert "prefers tea" in mem.prefetch("", session_id="s", user_id="u")
 
         backend.down = False
         await recalled(mem, "and now")
-        assert not mem.prefetch_status("s").stale
+        assert not mem.prefetch_status("s", user_id="u").stale
 
 
 async def test_without_a_good_backend_block_the_local_store_answers(tmp_path: Path) -> None:
@@ -197,9 +204,11 @@ async def test_without_a_good_backend_block_the_local_store_answers(tmp_path: Pa
         mem.sync_turn("my locker code is 4471", "noted", session_id="s", user_id="u")
         await mem.flush()
         mem.queue_prefetch("locker code", session_id="s2", user_id="u")
-        await eventually(lambda: mem.stats().recalls_run == 1, "the recall ran")
-        assert "4471" in mem.prefetch("", session_id="s2")
-        assert mem.prefetch_status("s2").source == "local"
+        await eventually(
+            mem, lambda: mem.prefetch_status("s2", user_id="u").recall_query is not None,
+            "the recall ran")
+        assert "4471" in mem.prefetch("", session_id="s2", user_id="u")
+        assert mem.prefetch_status("s2", user_id="u").source == "local"
 
 
 async def test_a_backend_dead_letter_is_listed_and_replayed_from_the_cli(
@@ -211,7 +220,7 @@ async def test_a_backend_dead_letter_is_listed_and_replayed_from_the_cli(
         bad = mem.sync_turn("refused at first", "ok", session_id="s").key
         backend.refuse.add(bad)
         await mem.flush()
-        await eventually(lambda: mem.stats().replica_dead == 1, "dead-lettered")
+        await eventually(mem, lambda: mem.stats().replica_dead == 1, "dead-lettered")
         capsys.readouterr()
 
         assert cli.main(["dead-letters", "list", "--db", db]) == 0
@@ -224,7 +233,7 @@ async def test_a_backend_dead_letter_is_listed_and_replayed_from_the_cli(
         assert cli.main(["dead-letters", "replay", "--backend", "scripted", bad,
                          "--db", db]) == 0
         assert "1 dead letters of backend 'scripted' queued" in capsys.readouterr().out
-        await eventually(lambda: backend.keys("s") == [bad], "sent again")
+        await eventually(mem, lambda: backend.keys("s") == [bad], "sent again")
         assert backend.maybe_sent_calls >= 1, "a replay first asks what the backend holds"
         assert cli.main(["dead-letters", "replay", "--backend", "scripted", "nope",
                          "--db", db]) == 1
@@ -246,15 +255,23 @@ async def test_status_shows_what_a_backend_still_lacks(
 
 
 async def test_two_sessions_of_one_user_get_their_own_backend_recall(tmp_path: Path) -> None:
+    both_in_flight = anyio.Event()
+    in_flight: set[str] = set()
+
     class PerSession(ScriptedBackend):
         async def recall(self, request: RecallRequest) -> str | None:
-            await anyio.sleep(0.05)  # both recalls are in flight at once
+            in_flight.add(request.session_id)
+            if len(in_flight) == 2:
+                both_in_flight.set()
+            with anyio.fail_after(WAIT_S):
+                await both_in_flight.wait()  # each waits for the other: both at once
             return f"context of {request.session_id}"
 
     backend = PerSession()
     async with MemoryPipeline(settings(tmp_path), backend) as mem:
         mem.queue_prefetch("same question", session_id="a", user_id="u")
         mem.queue_prefetch("same question", session_id="b", user_id="u")
-        await eventually(lambda: mem.stats().recalls_run == 2, "both ran")
-        await eventually(lambda: "context of b" in mem.prefetch("", session_id="b"), "b's own")
-        assert "context of a" in mem.prefetch("", session_id="a")
+        await eventually(mem, lambda: mem.stats().recalls_run == 2, "both ran")
+        await eventually(mem, lambda: "context of b" in mem.prefetch("", session_id="b",
+                                                                        user_id="u"), "b's own")
+        assert "context of a" in mem.prefetch("", session_id="a", user_id="u")

@@ -20,6 +20,7 @@ import anyio
 import pytest
 
 from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory.errors import LeaseLostError
 from hermes_async_memory.store import Batch, SqliteStore
 from hermes_async_memory.turns import Turn, turn_messages
 
@@ -28,12 +29,22 @@ from .helpers import count_rows, stored_turns
 WAIT_S = 30.0  # generous for a busy CI machine; nothing waits this long when things work
 
 
-async def eventually(check: Callable[[], bool], what: str, within: float = WAIT_S) -> None:
-    """Wait for another pipeline's progress, which has no event to await: poll ``check``."""
-    with anyio.fail_after(within):
-        while not check():  # noqa: ASYNC110 - another pipeline's (process's) state
-            await anyio.sleep(0.01)
-    assert check(), what
+async def eventually(mem: MemoryPipeline, check: Callable[[], bool], what: str) -> None:
+    """Wait for ``check`` on ``mem``'s state: it wakes its waiters after each change."""
+    try:
+        await mem.wait_until(check, timeout=WAIT_S)
+    except TimeoutError:
+        raise AssertionError(f"not within {WAIT_S} s: {what}") from None
+
+
+class FakeWallClock:
+    """The store's wall clock, moved by the test: leases expire when it says so."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def shared(db: Path, role: str, **extra: object) -> Settings:
@@ -61,7 +72,7 @@ async def test_three_producers_one_worker_store_every_turn_once_in_order(
             for _ in range(3)
         ]
         # Each producer has its own outbox slot beside the store.
-        assert len({p._outbox._dir for p in producers}) == 3
+        assert len({p.outbox_dir for p in producers}) == 3
         for i in range(600):
             p = producers[i % 3]
             sid = f"s{i % 3}-{i % 20}"
@@ -70,7 +81,7 @@ async def test_three_producers_one_worker_store_every_turn_once_in_order(
             accepted.setdefault(sid, []).append(receipt.key)
         for p in producers:
             await p.flush(timeout=WAIT_S)  # handed to the shared inbox
-        await eventually(lambda: worker.stats().inbox_committed_turns == 600,
+        await eventually(worker, lambda: worker.stats().inbox_committed_turns == 600,
                          "the worker committed every handed-in turn")
     stored = stored_turns(db)
     assert set(stored) == set(accepted)
@@ -90,9 +101,10 @@ async def test_a_producer_reads_the_recall_the_worker_ran(db: Path, worker: Memo
                            session_id="s2", user_id="bob")
         producer.queue_prefetch("which invoice did I mention", session_id="s1-next",
                                 user_id="alice")
-        await eventually(lambda: "INV-4471" in producer.prefetch("", session_id="s1-next"),
-                         "the worker's recall reached the producer's cache")
-        block = producer.prefetch("", session_id="s1-next")
+        await eventually(producer, lambda: "INV-4471" in producer.prefetch(
+            "", session_id="s1-next", user_id="alice"),
+            "the worker's recall reached the producer's cache")
+        block = producer.prefetch("", session_id="s1-next", user_id="alice")
         assert "fridays" not in block, "alice's recall must not hold bob's text"
     assert count_rows(db, "SELECT count(*) FROM recall_requests") == 0
 
@@ -116,9 +128,12 @@ async def test_a_restarted_producer_hands_in_what_a_stopped_one_left_exactly_onc
     async with MemoryPipeline(shared(db, "producer")) as second:  # takes the same free slot
         await second.flush(timeout=WAIT_S)
     async with MemoryPipeline(shared(db, "worker")) as worker:
-        await eventually(lambda: count_rows(db, "SELECT count(*) FROM inbox") == 0,
-                         "the worker drained the inbox")
-        assert worker.stats().inbox_committed_turns == 300
+        # Before, this waited for the inbox to be empty, then read the worker's counter,
+        # which a commit bumps only after it returns: 2 runs in 15 read 0. Wait on the
+        # worker's own count instead.
+        await eventually(worker, lambda: worker.stats().inbox_committed_turns == 300,
+                         "the worker committed what the stopped producer left")
+    assert count_rows(db, "SELECT count(*) FROM inbox") == 0
     stored = stored_turns(db)
     assert sorted(k for rows in stored.values() for k, role, _ in rows if role == "user") == \
         sorted(keys)
@@ -143,19 +158,20 @@ def _set_lease(db: Path, key: str, owner: str, until: float) -> None:
 
 
 async def test_a_live_claim_holds_its_session_back_until_it_expires(db: Path) -> None:
-    store = SqliteStore(db)
+    clock = FakeWallClock()
+    store = SqliteStore(db, wall_clock=clock)
     await store.open()
     try:
         await _handed_in(store, [_turn("a1", "A"), _turn("a2", "A"), _turn("b1", "B")])
         # Another worker on this host, alive (our own pid), claimed a1 for 0.5 s.
         other = f"{socket.gethostname()}:{os.getpid()}:other"
-        _set_lease(db, "a1", other, time.time() + 0.5)
+        _set_lease(db, "a1", other, clock.now + 0.5)
         claimed = await store.claim_inbox("me", 30.0, 100)
         assert [key for _, key, *_ in claimed] == ["b1"], "a2 must wait behind a1"
+        clock.now += 0.4
         assert [key for _, key, *_ in await store.claim_inbox("me", 30.0, 100)] == ["b1"]
-        with anyio.fail_after(WAIT_S):  # a claim of ours is ours to take again
-            while len(claimed := await store.claim_inbox("me", 30.0, 100)) < 3:  # noqa: ASYNC110
-                await anyio.sleep(0.05)
+        clock.now += 0.2  # the other claim expired
+        claimed = await store.claim_inbox("me", 30.0, 100)
         assert [key for _, key, *_ in claimed] == ["a1", "a2", "b1"], "expired: ours, in order"
     finally:
         await store.aclose()
@@ -172,7 +188,7 @@ async def test_a_gone_workers_claims_are_taken_back_at_once(db: Path) -> None:
         await store.aclose()
     _set_lease(db, "k1", gone, time.time() + 3600)  # an hour-long lease of a dead process
     async with MemoryPipeline(shared(db, "worker")) as worker:
-        await eventually(lambda: worker.stats().inbox_committed_turns == 2,
+        await eventually(worker, lambda: worker.stats().inbox_committed_turns == 2,
                          "the dead worker's claim was taken back without waiting an hour")
     assert [k for k, role, _ in stored_turns(db)["A"] if role == "user"] == ["k1", "k2"]
 
@@ -188,7 +204,7 @@ async def test_a_batch_whose_lease_was_taken_over_is_not_committed(db: Path) -> 
         batch = Batch.of([t._replace(seq=row[0]) for t, row in zip(turns, claimed, strict=True)],
                          "test")
         batch.inbox_ids, batch.lease_owner = [row[0] for row in claimed], "me"
-        with pytest.raises(sqlite3.IntegrityError, match="held"):
+        with pytest.raises(LeaseLostError):
             await store.commit_batch(batch)
     finally:
         await store.aclose()
@@ -236,9 +252,10 @@ async def test_an_unreadable_inbox_record_is_dead_lettered_and_the_rest_committe
     finally:
         await store.aclose()
     async with MemoryPipeline(shared(db, "worker")) as worker:
-        await eventually(lambda: count_rows(db, "SELECT count(*) FROM inbox") == 0,
+        await eventually(worker, lambda: worker.stats().inbox_committed_turns == 2
+                         and worker.stats().dead_letters == 1,
                          "the worker went past the bad record")
-        assert worker.stats().dead_letters == 1
+    assert count_rows(db, "SELECT count(*) FROM inbox") == 0
     assert [k for k, role, _ in stored_turns(db)["S"] if role == "user"] == ["g1", "g2"]
     assert count_rows(db, "SELECT count(*) FROM outbox WHERE status = 'dead'") == 1
 
@@ -249,7 +266,7 @@ async def test_a_turn_holding_nul_goes_through_the_inbox_and_is_stored(
     async with MemoryPipeline(shared(db, "producer")) as producer:
         key = producer.sync_turn("before\x00after", "ok", session_id="nul").key
         await producer.flush(timeout=WAIT_S)
-    await eventually(lambda: worker.stats().inbox_committed_turns == 1, "committed")
+    await eventually(worker, lambda: worker.stats().inbox_committed_turns == 1, "committed")
     assert worker.stats().dead_letters == 0
     assert [(k, c) for k, role, c in stored_turns(db)["nul"] if role == "user"] == \
         [(key, "before\x00after")]
@@ -267,10 +284,10 @@ async def test_turns_left_in_a_slot_nobody_restarts_into_are_handed_in(db: Path)
     assert count_rows(db, "SELECT count(*) FROM inbox") < 20, "most stayed in slot 1"
     # A new producer takes the lowest free slot, 0, and hands in what slot 1 holds.
     async with MemoryPipeline(shared(db, "producer")) as later:
-        assert later._outbox._dir == first.settings.producer_outbox_dir(0)
+        assert later.outbox_dir == first.settings.producer_outbox_dir(0)
     assert count_rows(db, "SELECT count(*) FROM inbox") == 20
     async with MemoryPipeline(shared(db, "worker")) as w:
-        await eventually(lambda: w.stats().inbox_committed_turns == 20, "committed")
+        await eventually(w, lambda: w.stats().inbox_committed_turns == 20, "committed")
     assert [k for k, role, _ in stored_turns(db)["left"] if role == "user"] == keys
 
 
@@ -281,14 +298,16 @@ async def test_a_producer_caches_only_its_own_sessions_recalls(
             MemoryPipeline(shared(db, "producer")) as other:
         mine.sync_turn("the invoice is INV-1", "ok", session_id="m1", user_id="u")
         await mine.flush(timeout=WAIT_S)
-        await eventually(lambda: worker.stats().inbox_committed_turns == 1, "committed")
+        await eventually(worker, lambda: worker.stats().inbox_committed_turns == 1,
+                         "committed")
         mine.queue_prefetch("invoice", session_id="m2", user_id="u")
-        await eventually(lambda: "INV-1" in mine.prefetch("", session_id="m2"), "recalled")
-        runs = worker.stats().recalls_run
+        await eventually(mine, lambda: "INV-1" in mine.prefetch("", session_id="m2",
+                                                                user_id="u"), "recalled")
         other.queue_prefetch("something", session_id="o1", user_id="v")
-        await eventually(lambda: worker.stats().recalls_run > runs, "the other's recall ran")
-        await eventually(lambda: other._requested == {}, "the other got its answer")
-        assert "m2" not in other._cache, "another gateway's session stays out of its cache"
+        await eventually(other, lambda: other.prefetch_status(
+            "o1", user_id="v").recall_query == "something", "the other got its answer")
+        assert not other.prefetch_status("m2", user_id="u").cached, \
+            "another gateway's session stays out of its cache"
 
 
 async def test_old_done_keys_of_inbox_turns_are_pruned_and_recent_ones_kept(db: Path) -> None:

@@ -69,7 +69,7 @@ async def test_a_poison_turn_is_dead_lettered_and_its_session_goes_on(tmp_path: 
         dead = await mem.store.dead_letters()
         assert len(dead) == 1
         assert dead[0].session_id == "s0" and "value rejected" in dead[0].last_error
-        assert dead[0].attempts == settings.commit_max_attempts
+        assert dead[0].attempts == 1, "refused for a cause of its own: dead-lettered at once"
     stored = stored_turns(settings.db_path)
     for s in range(3):
         users = [c for _, role, c in stored[f"s{s}"] if role == "user"]
@@ -82,10 +82,12 @@ async def test_a_poison_turn_is_dead_lettered_and_its_session_goes_on(tmp_path: 
 
 
 async def test_opening_something_that_is_not_a_store_is_a_clear_error(tmp_path: Path) -> None:
-    from hermes_async_memory import StoreError
+    from hermes_async_memory import CorruptStoreError
 
     bogus = tmp_path / "notes.db"
     bogus.write_bytes(b"this is not a database" * 100)
-    with pytest.raises(StoreError, match="cannot open"):
+    with pytest.raises(CorruptStoreError, match="not a SQLite database") as caught:
         async with MemoryPipeline(Settings(db_path=bogus)):
             pass
+    assert caught.value.path == bogus
+    assert bogus.read_bytes() == b"this is not a database" * 100, "left as it was"

@@ -216,8 +216,13 @@ async def run_demo(mem: MemoryPipeline, out: TextIO) -> None:
     say()
 
     shown = prefetched[0]
-    block = mem.prefetch(session_id=shown.session_id)
-    status = mem.prefetch_status(shown.session_id)
+    try:  # the recall queued before the last turn lands within milliseconds
+        await mem.wait_until(lambda: mem.prefetch_status(
+            shown.session_id, user_id=shown.user_id).recall_query is not None, timeout=2.0)
+    except TimeoutError:
+        pass  # the block below says the recall is still running
+    block = mem.prefetch(session_id=shown.session_id, user_id=shown.user_id)
+    status = mem.prefetch_status(shown.session_id, user_id=shown.user_id)
     say(f"prefetch(session_id={shown.session_id!r}), a dict lookup with no I/O:")
     say(_indent(block or "(empty)"))
     say(f"prefetch_status: turns_committed={status.turns_committed} "

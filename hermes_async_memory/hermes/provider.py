@@ -211,7 +211,7 @@ class HermesMemoryProvider(_ProviderBase):
         session = session_id or self._session_id
         if pipeline is None or not session:
             return ""
-        return pipeline.prefetch(query, session_id=session)
+        return pipeline.prefetch(query, session_id=session, user_id=self._user_id)
 
     def queue_prefetch(self, query: str, *, session_id: str = "") -> None:
         """Recall for the session's next turn, in the background. Never waits.
@@ -446,7 +446,7 @@ class HermesMemoryProvider(_ProviderBase):
         if pipeline is None or not session_id:
             return
         try:
-            pipeline.warm(session_id)
+            pipeline.warm(session_id, user_id=self._user_id)
         except HermesMemoryError as exc:  # a cold cache is not worth failing a turn for
             log.debug("hermes_warm_skipped", session_id=session_id, error=str(exc))
 

@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 
 import structlog
 
+from ..slices import maybe_yield
 from ..store import SqliteStore
 from ..turns import Turn
-from ..writer import TimeSlice, Unreadable, Work
+from ..writer import Unreadable, Work
 
 log = structlog.get_logger(__name__)
 
@@ -59,10 +60,9 @@ class InboxSource:
         if not rows:
             return None
         items: list[Turn | Unreadable] = []
-        slice_ = TimeSlice()
         for inbox_id, key, session_id, _accepted_at, record, error in rows:
             items.append(_item(inbox_id, key, session_id, record, error))
-            await slice_.maybe_yield()
+            await maybe_yield()
         return Work(items)
 
     async def settle(self, items: Sequence[Turn | Unreadable], *, committed: bool) -> None:

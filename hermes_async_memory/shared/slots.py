@@ -30,9 +30,9 @@ from ..outbox import Outbox, OutboxBusyError, Recovery, os_error
 from ..retry import Backoff, retry_transient
 from ..settings import Settings
 from ..sinks import ForwardSink
+from ..slices import CHUNK
 from ..sources import decode
 from ..turns import Turn
-from ..writer import CHUNK
 
 log = structlog.get_logger(__name__)
 
