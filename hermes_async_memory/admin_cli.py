@@ -30,6 +30,9 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from .errors import ConfigurationError
+from .extras import require
+
 if TYPE_CHECKING:
     from .outbox import RecordSummary
     from .settings import Settings
@@ -616,18 +619,16 @@ def _progress(total: int, show: bool) -> Iterator[Callable[[], None]]:
     if not show:
         yield lambda: None
         return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-    )
-
-    with Progress(
-        TextColumn("exporting sessions"), BarColumn(), MofNCompleteColumn(),
-        TimeRemainingColumn(), console=Console(file=sys.stderr), transient=True,
+    try:
+        console = require("rich.console", "cli", "the export progress bar")
+        bar = require("rich.progress", "cli", "the export progress bar")
+    except ConfigurationError as exc:  # the export itself needs no extra: go on without
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        yield lambda: None
+        return
+    with bar.Progress(
+        bar.TextColumn("exporting sessions"), bar.BarColumn(), bar.MofNCompleteColumn(),
+        bar.TimeRemainingColumn(), console=console.Console(file=sys.stderr), transient=True,
     ) as progress:
         task = progress.add_task("export", total=total)
         yield lambda: progress.advance(task)

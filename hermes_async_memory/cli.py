@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "loses a turn.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    # The worker parses its own options (workers.main.build_parser), so they are defined once
+    # The worker parses its own options (worker.main.build_parser), so they are defined once
     # for both `python -m workers` and `hermes-memory worker`.
     commands.add_parser(
         "worker", add_help=False,
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _worker(args: argparse.Namespace, rest: list[str]) -> int:
-    from workers.main import main as worker_main
+    from .worker.main import main as worker_main
 
     return worker_main(rest, prog=f"{PROG} worker")
 

@@ -80,7 +80,7 @@ def _load_madvise() -> Callable[[int, int, int], int] | None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _madvise = _load_madvise()
@@ -606,7 +606,7 @@ def _valid_at(mm: mmap.mmap, off: int, end: int) -> int:
     start = off + HEADER_BYTES
     if zlib.crc32(mm[start : start + size], zlib.crc32(_INFO.pack(info))) != crc:
         return -1
-    return size
+    return int(size)
 
 
 def _next_valid(mm: mmap.mmap, pos: int, end: int) -> int | None:
@@ -725,9 +725,9 @@ def _summaries(mm: mmap.mmap, path: Path, end: int) -> list[RecordSummary]:
         payloads = []
         off = 0
         while off + HEADER_BYTES <= end:
-            size = _valid_at(mm, off, end)  # type: ignore[arg-type]
+            size = _valid_at(mm, off, end)
             if size < 0:
-                nxt = _next_valid(mm, off + 1, end)  # type: ignore[arg-type]
+                nxt = _next_valid(mm, off + 1, end)
                 if nxt is None:
                     break
                 off = nxt

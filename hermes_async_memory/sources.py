@@ -47,7 +47,7 @@ class OutboxSource:
         else:
             await maybe_yield()
             records = []
-            recovering = self.outbox.unread() and self._reading_recovered()
+            recovering = bool(self.outbox.unread()) and self._reading_recovered()
             used = 0
             while len(records) < max_turns and used < max_bytes:
                 chunk = self.outbox.read(min(CHUNK, max_turns - len(records)),
@@ -75,10 +75,10 @@ class OutboxSource:
         if (not self._settled and len(items) == len(inflight)
                 and items[0].seq == inflight[0].seq and items[-1].seq == inflight[-1].seq):
             # The whole batch, in order: the usual case.
-            prefix = list(inflight)
+            whole = list(inflight)
             inflight.clear()
-            self.outbox.mark_done(prefix)
-            self._barrier.settle(prefix[-1].seq)
+            self.outbox.mark_done(whole)
+            self._barrier.settle(whole[-1].seq)
             return
         settled = self._settled
         settled.update(item.seq for item in items)

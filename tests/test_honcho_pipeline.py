@@ -111,7 +111,8 @@ async def test_a_30_s_outage_loses_nothing_and_prefetch_serves_the_last_good_blo
         await mem.flush()
         await eventually(mem, lambda: mem.stats().replicated_turns == 10, "replicated")
         mem.queue_prefetch("bees", session_id="s0", user_id="u0")
-        await eventually(mem, lambda: mem.prefetch_status("s0", user_id="u0").source == "honcho", "recalled")
+        await eventually(mem, lambda: mem.prefetch_status("s0", user_id="u0").source == "honcho",
+                         "recalled")
         good = mem.prefetch("", session_id="s0", user_id="u0")
         assert "bees" in good and not mem.prefetch_status("s0", user_id="u0").stale
 

@@ -119,7 +119,7 @@ def test_importing_and_running_the_library_configures_no_logging(tmp_path: Path)
     code = (
         "import asyncio, structlog\n"
         "from hermes_async_memory import MemoryPipeline, Settings\n"
-        "import hermes_async_memory.cli, workers.main\n"
+        "import hermes_async_memory.cli, hermes_async_memory.worker.main\n"
         "async def go():\n"
         f"    async with MemoryPipeline(Settings(db_path={str(tmp_path / 'm.db')!r})) as mem:\n"
         "        mem.sync_turn('hi', 'hello', session_id='s')\n"

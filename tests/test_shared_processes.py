@@ -64,7 +64,7 @@ STUCK_WORKER = textwrap.dedent(
     from hermes_async_memory import Settings
     from hermes_async_memory.logs import configure_logging
     from hermes_async_memory.store import SqliteStore
-    from workers.main import run
+    from hermes_async_memory.worker.main import run
 
     commit = SqliteStore._commit_transaction
     calls = 0

@@ -27,7 +27,7 @@ CHILD = textwrap.dedent(
 
     from hermes_async_memory import Settings
     from hermes_async_memory.logs import configure_logging
-    from workers.main import run
+    from hermes_async_memory.worker.main import run
 
     db, turns, mode, keys_file = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     deadline_s = float(sys.argv[5])

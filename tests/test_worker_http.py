@@ -19,10 +19,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hermes_async_memory import ConfigurationError, MemoryPipeline, Settings
 from hermes_async_memory.metrics import PipelineObserver
-from workers.http import HttpServer, PrometheusObserver, start_http_server
-from workers.main import build_parser, http_from_args
+from hermes_async_memory.worker.http import HttpServer, PrometheusObserver, start_http_server
+from hermes_async_memory.worker.main import build_parser, http_from_args
 
 from .processes import Spawn
+from .test_supervisor import corrupt_store
 
 HTTP_TIMEOUT_S = 10.0
 # Short, for the test that holds the loop on purpose: the server must give up on it.
@@ -200,18 +201,40 @@ async def test_healthz_is_503_once_the_pipeline_is_closed(
     assert values["hermes_memory_committed_turns_total"] == 5  # the last figures still answer
 
 
-async def test_healthz_is_503_when_the_workers_died(
-    mem: MemoryPipeline, served: HttpServer, monkeypatch: pytest.MonkeyPatch
+async def test_healthz_is_503_naming_the_part_when_the_writer_died(
+    mem: MemoryPipeline, served: HttpServer, settings: Settings
 ) -> None:
-    monkeypatch.setattr(MemoryPipeline, "worker_error",
-                        property(lambda self: RuntimeError("writer crashed")))
+    """The writer is killed for real: the store file is damaged under it."""
+    accept(mem, 5)
+    await mem.flush()
+    corrupt_store(settings.db_path)
+    accept(mem, 5)
+    with anyio.fail_after(10):
+        await mem.wait_failed()
 
     status, body = await health(served.url)
     values = await metrics(served.url)
 
     assert status == 503
-    assert body["reason"] == "pipeline workers failed: RuntimeError('writer crashed')"
+    assert body["state"] == "failed"
+    reason = str(body["reason"])
+    assert reason.startswith("the pipeline's writer failed: DatabaseError")
+    assert "malformed" in reason
     assert values["hermes_memory_up"] == 0
+    assert values["hermes_memory_failed"] == 1
+
+
+async def test_healthz_is_503_while_the_disk_is_full(
+    mem: MemoryPipeline, served: HttpServer
+) -> None:
+    mem.conditions.set("disk_full", "OSError: [Errno 28] No space left on device")
+    status, body = await health(served.url)
+    assert status == 503
+    assert str(body["reason"]).startswith("disk full: ")
+    assert "disk_full" in body["conditions"]  # type: ignore[operator]
+    mem.conditions.clear("disk_full")
+    status, body = await health(served.url)
+    assert status == 200 and body["conditions"] == {}
 
 
 async def test_healthz_is_503_when_the_event_loop_does_not_answer(
@@ -303,7 +326,7 @@ LOCKED_CHILD = textwrap.dedent(
 
     from hermes_async_memory import Settings
     from hermes_async_memory.logs import configure_logging
-    from workers.main import run
+    from hermes_async_memory.worker.main import run
 
     db = Path(sys.argv[1])
     held = []

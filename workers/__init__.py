@@ -1,6 +1,5 @@
-"""The long-lived worker process: ``python -m workers`` or ``hermes-memory worker``.
+"""``python -m workers`` from a checkout: the worker process's entry point.
 
-It opens a :class:`~hermes_async_memory.MemoryPipeline` on the store file, commits whatever an
-earlier run left in the outbox, and runs until SIGTERM or SIGINT, then drains within the
-shutdown deadline. See :mod:`workers.main`.
+Everything it runs lives in the library (``hermes_async_memory.worker``); this folder only
+starts it, and is not installed with the package.
 """

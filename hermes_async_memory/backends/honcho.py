@@ -66,6 +66,7 @@ import anyio
 import structlog
 
 from ..errors import BackendError, ConfigurationError
+from ..extras import require
 from ..turns import Turn
 from .base import (
     Backend,
@@ -452,15 +453,11 @@ def _sdk() -> Any:
     """The honcho package, imported on first use (it brings pydantic and ~0.4 s of imports).
 
     Raises:
-        BackendError: honcho-ai is not installed.
+        ConfigurationError: honcho-ai (the honcho extra) is not installed.
     """
-    try:
-        module = importlib.import_module("honcho")
-        importlib.import_module("honcho.api_types")
-        importlib.import_module("honcho.http")
-    except ImportError as exc:
-        raise BackendError(
-            "the Honcho backend needs honcho-ai: pip install 'honcho-ai>=2.7,<3'") from exc
+    module = require("honcho", "honcho", "the Honcho backend")
+    importlib.import_module("honcho.api_types")
+    importlib.import_module("honcho.http")
     return module
 
 

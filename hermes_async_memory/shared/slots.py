@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -95,7 +96,7 @@ class ProducerSlots:
             outbox = self._outbox(slot)
             try:
                 found = await anyio.to_thread.run_sync(
-                    lambda o=outbox: o.open(first_segment, writable=False))
+                    functools.partial(outbox.open, first_segment, writable=False))
             except OutboxBusyError:
                 continue  # a live producer holds it
             try:

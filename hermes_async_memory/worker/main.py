@@ -3,6 +3,8 @@
     start ──► pipeline open (an earlier run's outbox is replayed) ──► "worker_ready"
     first SIGTERM / SIGINT ──► stop; aclose(deadline_s) drains ──► exit 0
     second signal while draining ──► exit at once with 128 + signum
+    the pipeline fails (a part that cannot go on) ──► drain what can be, one error line
+                                                       naming the cause ──► exit 3
 
 Exiting at once loses nothing: every accepted turn is already durable in the outbox, and the
 next start commits it exactly once.
@@ -21,23 +23,22 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import anyio
 import structlog
 
-from hermes_async_memory import (
-    ConfigurationError,
-    HermesMemoryError,
-    MemoryPipeline,
-    PipelineStats,
-    Settings,
-)
-from hermes_async_memory.cli import exit_code, fail
-from hermes_async_memory.logs import LEVELS, configure_logging
-
+from ..cli import exit_code, fail
+from ..errors import ConfigurationError, HermesMemoryError, PipelineFailedError
+from ..extras import require
+from ..logs import LEVELS, configure_logging
+from ..pipeline import MemoryPipeline
+from ..settings import Settings
+from ..stats import PipelineStats
 from .demo import print_closed, run_demo
-from .http import HttpServer, PrometheusObserver, start_http_server
+
+if TYPE_CHECKING:
+    from .http import HttpServer
 
 log = structlog.get_logger(__name__)
 
@@ -45,6 +46,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+# The pipeline failed for a cause it cannot outlive (a damaged store, say): distinct, so a
+# supervisor (systemd, Kubernetes) sees a crash to restart, and an operator the cause.
+EXIT_PIPELINE_FAILED = 3
 # What a shell reports for a process ended by SIGINT: 128 + 2.
 EXIT_INTERRUPTED = 128 + signal.SIGINT
 DEFAULT_PROG = "python -m workers"
@@ -155,9 +159,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
         configure_logging(json=json, level=args.log_level)
         settings = settings_from_args(args)
         http = http_from_args(args, os.environ)
+        if http is not None:
+            require("prometheus_client", "metrics", "--http")
         asyncio.run(run(settings, demo=args.demo, http=http))
     except ConfigurationError as exc:
         return fail(prog, exc, EXIT_USAGE)
+    except PipelineFailedError as exc:
+        return fail(prog, exc, EXIT_PIPELINE_FAILED)
     except (HermesMemoryError, OSError) as exc:
         return fail(prog, exc, EXIT_FAILURE)
     except KeyboardInterrupt:  # before the signal handlers were installed
@@ -222,7 +230,11 @@ async def _serve(
     settings: Settings, stop: asyncio.Event, *, demo: bool, ready: ReadyHook | None,
     out: TextIO, http: HttpAddress | None = None,
 ) -> None:
-    observer = PrometheusObserver() if http is not None else None
+    observer = None
+    if http is not None:
+        from .http import PrometheusObserver, start_http_server  # the metrics extra
+
+        observer = PrometheusObserver()
     mem = MemoryPipeline(settings, observer=observer)
     await mem.start()
     # A long-lived process: keep the start-up heap out of every later full collection, which
@@ -242,9 +254,9 @@ async def _serve(
         if ready is not None:
             ready(mem)
         if demo:
-            await _until(stop, lambda: run_demo(mem, out))
+            await _until(stop, mem, lambda: run_demo(mem, out))
         else:
-            await stop.wait()
+            await _until(stop, mem, stop.wait)
     finally:
         try:
             closed = await _drain(mem, settings.shutdown_deadline_s)
@@ -252,36 +264,40 @@ async def _serve(
             if server is not None:
                 # Closed after the drain, so /healthz answers 503 "pipeline closing" meanwhile.
                 await server.aclose()
+    if mem.failure is not None:
+        raise mem.failure  # one line and its own exit code (main)
     if demo:
         print_closed(closed, out)
 
 
-async def _until(stop: asyncio.Event, work: Callable[[], Awaitable[None]]) -> None:
-    """Run ``work``; a stop signal cancels it. Errors from ``work`` propagate unwrapped."""
+async def _until(stop: asyncio.Event, mem: MemoryPipeline,
+                 work: Callable[[], Awaitable[object]]) -> None:
+    """Run ``work`` until it ends, a stop signal comes, or the pipeline fails. Errors from
+    ``work`` propagate unwrapped."""
     with anyio.CancelScope() as scope:
 
-        async def cancel_on_stop() -> None:
-            await stop.wait()
+        async def cancel_on(event: Callable[[], Awaitable[object]]) -> None:
+            await event()
             scope.cancel()
 
-        watcher = asyncio.create_task(cancel_on_stop(), name="worker-stop-watcher")
+        watchers = [asyncio.create_task(cancel_on(stop.wait), name="worker-stop-watcher"),
+                    asyncio.create_task(cancel_on(mem.wait_failed), name="worker-fail-watcher")]
         try:
             await work()
         finally:
-            watcher.cancel()
-            await asyncio.wait({watcher})
+            for watcher in watchers:
+                watcher.cancel()
+            await asyncio.wait(watchers)
 
 
 async def _drain(mem: MemoryPipeline, deadline_s: float) -> PipelineStats:
-    before = mem.stats()
-    log.info("worker_draining", pending_turns=before.accepted_turns - before.committed_turns,
-             deadline_s=deadline_s)
+    log.info("worker_draining", pending_turns=mem.stats().pending_turns, deadline_s=deadline_s)
     started = time.perf_counter()
     await mem.aclose(deadline_s=deadline_s)
     after = mem.stats()
     log.info(
         "worker_stopped", committed_turns=after.committed_turns,
-        left_in_outbox=after.accepted_turns - after.committed_turns,
+        left_in_outbox=after.pending_turns,
         duration_ms=round((time.perf_counter() - started) * 1000, 2),
     )
     return after

@@ -29,8 +29,10 @@ import structlog
 from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from hermes_async_memory import MemoryPipeline, PipelineStats
-from hermes_async_memory.metrics import PipelineObserver
+from ..metrics import PipelineObserver
+from ..pipeline import MemoryPipeline
+from ..stats import PipelineStats
+from ..supervisor import Health
 
 if TYPE_CHECKING:
     import asyncio
@@ -60,10 +62,13 @@ _JSON = [("Content-Type", "application/json"), ("Cache-Control", "no-store")]
 _Field = Callable[[PipelineStats], float]
 # (name without prefix, help, value): queue depths and other values that go up and down.
 _GAUGES: tuple[tuple[str, str, _Field], ...] = (
-    ("queued_turns", "Turns in the in-memory queue, waiting for the writer.",
+    ("queued_turns", "Turns accepted and not yet read by the writer.",
      lambda s: s.queued_turns),
-    ("queued_bytes", "Bytes of the turns in the in-memory queue.", lambda s: s.queued_bytes),
-    ("deferred_turns", "Turns past the queue's bounds, kept only in the outbox on disk.",
+    ("pending_turns", "Turns accepted and not yet settled (committed or dead-lettered).",
+     lambda s: s.pending_turns),
+    ("queued_bytes", "Bytes of the turns accepted and not yet settled.",
+     lambda s: s.queued_bytes),
+    ("deferred_turns", "Pending turns past max_queued_turns: the writer is behind.",
      lambda s: s.deferred_turns),
     ("oldest_pending_age_seconds", "Age of the oldest accepted turn not yet settled.",
      lambda s: s.oldest_pending_age_s),
@@ -72,6 +77,16 @@ _GAUGES: tuple[tuple[str, str, _Field], ...] = (
      lambda s: s.inbox_turns),
     ("inbox_oldest_age_seconds", "Age of the oldest turn waiting in the shared inbox (worker).",
      lambda s: s.inbox_oldest_age_s),
+    ("cache_entries", "(user, session) entries in the prefetch cache.",
+     lambda s: s.cache_entries),
+    ("pending_recalls", "Queued recalls not started yet.", lambda s: s.pending_recalls),
+    ("recalls_in_flight", "Recalls running now.", lambda s: s.recalls_in_flight),
+    ("warm_backlog", "Cache warm-ups queued or running.", lambda s: s.warm_backlog),
+    ("flush_waiters", "flush() calls waiting.", lambda s: s.flush_waiters),
+    ("failed", "1 once a part of the pipeline failed for good; see /healthz for the cause.",
+     lambda s: 1 if s.failure else 0),
+    ("conditions", "Passing troubles health reports now (a full disk, a store retried).",
+     lambda s: len(s.conditions)),
 )
 # (name without prefix and "_total", help, value): counts since the pipeline started.
 _COUNTERS: tuple[tuple[str, str, _Field], ...] = (
@@ -95,6 +110,11 @@ _COUNTERS: tuple[tuple[str, str, _Field], ...] = (
     ("recall_errors", "Recalls that failed.", lambda s: s.recall_errors),
     ("recalls_shed", "Queued recalls dropped past max_pending_recalls.",
      lambda s: s.recalls_shed),
+    ("warms_shed", "Cache warm-ups dropped past max_pending_warms.", lambda s: s.warms_shed),
+    ("part_restarts", "Background parts restarted after a transient failure.",
+     lambda s: s.part_restarts),
+    ("quarantined_bytes", "Damaged outbox bytes set aside at start.",
+     lambda s: s.quarantined_bytes),
     ("inbox_committed_turns", "Turns from the shared inbox committed by this worker.",
      lambda s: s.inbox_committed_turns),
 )
@@ -104,17 +124,12 @@ _LATENCY_HELP = "Write-to-recallable latency of recent turns (accept to commit),
 
 @dataclass(frozen=True, slots=True)
 class _Snapshot:
-    state: str
-    worker_error: BaseException | None
+    health: Health
     stats: PipelineStats
 
     def problem(self) -> str | None:
         """Why the pipeline is unhealthy, or None."""
-        if self.worker_error is not None:
-            return f"pipeline workers failed: {self.worker_error!r}"
-        if self.state != "open":
-            return f"pipeline {self.state}"
-        return None
+        return None if self.health.ok else self.health.reason
 
 
 class _LoopUnavailableError(Exception):
@@ -154,7 +169,7 @@ class _Probe:
 
     def _read(self) -> _Snapshot:
         p = self._pipeline
-        return _Snapshot(state=p.state, worker_error=p.worker_error, stats=p.stats())
+        return _Snapshot(health=p.health(), stats=p.stats())
 
 
 class PrometheusObserver(PipelineObserver):
@@ -290,11 +305,14 @@ class _App:
         s = snap.stats
         body: dict[str, object] = {
             "status": "ok",
+            "state": snap.health.state,
             "uptime_s": uptime_s,
+            "pending_turns": s.pending_turns,
             "queued_turns": s.queued_turns,
             "deferred_turns": s.deferred_turns,
             "oldest_pending_age_s": round(s.oldest_pending_age_s, 6),
             "dead_letters": s.dead_letters,
+            "conditions": snap.health.conditions,
         }
         problem = snap.problem()
         if problem is None:
