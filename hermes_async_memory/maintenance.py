@@ -27,7 +27,7 @@ from .faults import Fault, classify, is_disk_full
 from .outbox import Outbox
 from .settings import Settings
 from .store import SqliteStore
-from .supervisor import Conditions
+from .supervisor import DISK_FULL, DISK_FULL_STORE, Conditions
 
 log = structlog.get_logger(__name__)
 
@@ -61,8 +61,14 @@ class Maintenance:
         self.rows_since_vocab = 0
         self.inbox_counts: tuple[int, float | None] = (0, None)
         self.replica_counts = (0, 0)  # (pending, dead)
-        self._was_full = False
+        self._checkpoint_due = False
         self._prune_next = 0.0
+        conditions.on_clear(DISK_FULL_STORE, self._after_full_disk)
+
+    def _after_full_disk(self) -> None:
+        # Room again: give back what the WAL grew to while the disk was full, soon.
+        self._checkpoint_due = True
+        self._poke.set()
 
     def poke(self) -> None:
         """Run a round soon (the writer saw the outbox tail fill up)."""
@@ -94,16 +100,16 @@ class Maintenance:
             if classify(exc) is not Fault.TRANSIENT:
                 raise
             if is_disk_full(exc):
-                self._conditions.set("disk_full", describe(exc))
-                self._was_full = True
+                self._conditions.set(DISK_FULL if name == "outbox" else DISK_FULL_STORE,
+                                     describe(exc))
             log.warning("maintenance_retry", job=name, error=describe(exc))
 
     async def _outbox(self) -> None:
         outbox = self.outbox
         if outbox.needs_spare():
             await anyio.to_thread.run_sync(outbox.prepare_spare)
-        if "disk_full" in self._conditions and not outbox.needs_spare():
-            self._conditions.clear("disk_full")
+        if DISK_FULL in self._conditions and not outbox.needs_spare():
+            self._conditions.clear(DISK_FULL)
         await anyio.to_thread.run_sync(outbox.reap)
         plan = outbox.prefault_plan()
         if plan:
@@ -111,11 +117,12 @@ class Maintenance:
 
     async def _store_upkeep(self) -> None:
         store, s = self._store, self._settings
-        if self._was_full and "disk_full" not in self._conditions:
-            # Room again: give back what the WAL grew to while the disk was full.
+        if self._checkpoint_due:
+            started = self._clock()
             await store.checkpoint()
-            self._was_full = False
-        self._prune_next = 0.0
+            self._checkpoint_due = False
+            log.info("store_checkpointed", reason="disk_full_cleared",
+                     duration_ms=round((self._clock() - started) * 1e3, 2))
         oldest = self.outbox.oldest_segment()
         if oldest > self._last_pruned:
             await store.prune_outbox(oldest)

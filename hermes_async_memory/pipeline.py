@@ -47,7 +47,7 @@ from .retry import Backoff
 from .settings import Settings
 from .stats import Meter, PipelineStats
 from .store import SqliteStore
-from .supervisor import Conditions, Health
+from .supervisor import DISK_FULL, Conditions, Health
 from .turns import (
     Receipt,
     check_id,
@@ -191,8 +191,9 @@ class MemoryPipeline:
             return Health(self.state, False, str(self._failure), conditions)
         if self._state != OPEN:
             return Health(self._state, False, f"pipeline {self._state}", conditions)
-        if "disk_full" in conditions:
-            return Health(OPEN, False, f"disk full: {conditions['disk_full']}", conditions)
+        full = self.conditions.disk_full()
+        if full is not None:
+            return Health(OPEN, False, f"disk full: {full}", conditions)
         return Health(OPEN, True, None, conditions)
 
     async def aclose(self, deadline_s: float | None = None) -> None:
@@ -277,7 +278,7 @@ class MemoryPipeline:
         try:
             seq, deferred = parts.outbox.append(data, len(rows))
         except DiskFullError as exc:
-            self.conditions.set("disk_full", describe(exc))
+            self.conditions.set(DISK_FULL, describe(exc))
             raise
         self.barrier.note_accepted(session_id, seq)
         self._on_loop(parts.writer.wake)

@@ -26,6 +26,11 @@ from .retry import Backoff
 
 log = structlog.get_logger(__name__)
 
+# The two full-disk conditions: the outbox cannot make a turn durable (sync_turn refuses it),
+# or the store cannot commit (turns wait, durable, in the outbox).
+DISK_FULL = "disk_full"
+DISK_FULL_STORE = "disk_full_store"
+
 # A part that ran this long since its last restart starts its backoff afresh, and no longer
 # shows as restarting in health.
 _HEALTHY_AFTER_S = 30.0
@@ -38,7 +43,8 @@ class Health:
     state: str  # "new", "open", "failed", "closing" or "closed"
     ok: bool
     reason: str | None = None  # why not ok
-    # Passing troubles, by name: "disk_full", "store_retrying", "<part>_restarting", ...
+    # Passing troubles, by name: "disk_full", "disk_full_store", "store_retrying",
+    # "<part>_restarting", ...
     conditions: dict[str, str] = field(default_factory=dict)
 
 
@@ -52,6 +58,7 @@ class Conditions:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._active: dict[str, tuple[str, float | None]] = {}
         self._clock = clock
+        self._on_clear: dict[str, list[Callable[[], None]]] = {}
 
     def set(self, name: str, detail: str, *, ttl_s: float | None = None) -> None:
         if name not in self:
@@ -61,6 +68,17 @@ class Conditions:
     def clear(self, name: str) -> None:
         if self._active.pop(name, None) is not None:
             log.info("condition_cleared", condition=name)
+            for callback in self._on_clear.get(name, ()):
+                callback()
+
+    def on_clear(self, name: str, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` each time the condition ``name`` clears."""
+        self._on_clear.setdefault(name, []).append(callback)
+
+    def disk_full(self) -> str | None:
+        """What a full disk stops, if the disk is full."""
+        snapshot = self.snapshot()
+        return snapshot.get(DISK_FULL) or snapshot.get(DISK_FULL_STORE)
 
     def __contains__(self, name: object) -> bool:
         item = self._active.get(name)  # type: ignore[call-overload]

@@ -33,7 +33,7 @@ from .faults import Fault, classify, is_disk_full
 from .metrics import PipelineObserver
 from .retry import Backoff
 from .slices import begin, maybe_yield
-from .supervisor import Conditions
+from .supervisor import DISK_FULL_STORE, Conditions
 from .turns import Turn
 
 log = structlog.get_logger(__name__)
@@ -259,7 +259,7 @@ class Writer:
                 await self._isolate(source, turns, exc)
                 return
         self._conditions.clear("store_retrying")
-        self._conditions.clear("disk_full")
+        self._conditions.clear(DISK_FULL_STORE)
         now = self._clock()
         self.batches += 1
         self._observer.batch_committed(len(turns), rows, now - started)
@@ -277,7 +277,7 @@ class Writer:
     async def _transient(self, exc: BaseException, attempt: int, turns: int) -> None:
         self.retries += 1
         self._observer.commit_retried()
-        condition = "disk_full" if is_disk_full(exc) else "store_retrying"
+        condition = DISK_FULL_STORE if is_disk_full(exc) else "store_retrying"
         self._conditions.set(condition, describe(exc))
         delay = self._backoff.delay(attempt)
         log.warning("batch_retry", turns=turns, attempt=attempt, retry_in_s=round(delay, 3),

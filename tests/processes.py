@@ -29,35 +29,47 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class Worker:
-    """A worker subprocess; its JSON log lines on stderr are read as they arrive."""
+    """A worker subprocess. Its JSON log lines on stderr are read as they arrive, all the
+    time: a child whose stderr pipe nobody reads would block in its next log line once the
+    pipe's buffer is full."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
         self.logs: list[dict[str, Any]] = []
         self.stdout = ""
+        self._line = asyncio.Event()  # set, and replaced, on each line
+        self._eof = False
+        self._reader = asyncio.ensure_future(self._read_stderr())
 
     def events(self) -> list[str]:
         return [str(rec.get("event")) for rec in self.logs]
 
-    def _keep(self, line: bytes) -> dict[str, Any]:
-        text = line.decode()
-        try:
-            rec = json.loads(text)
-        except ValueError:
-            rec = {"event": None, "raw": text}
-        self.logs.append(rec)
-        return rec  # type: ignore[no-any-return]
+    async def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        async for line in self.proc.stderr:
+            text = line.decode()
+            try:
+                rec = json.loads(text)
+            except ValueError:
+                rec = {"event": None, "raw": text}
+            self.logs.append(rec)
+            self._line, line_seen = asyncio.Event(), self._line
+            line_seen.set()
+        self._eof = True
+        self._line.set()
 
     async def log_line(self, event: str, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         """Wait for the log line of ``event``."""
-        assert self.proc.stderr is not None
+        seen = 0
         with anyio.fail_after(timeout_s):
             while True:
-                line = await self.proc.stderr.readline()
-                if not line:
+                for rec in self.logs[seen:]:
+                    if rec.get("event") == event:
+                        return rec
+                seen = len(self.logs)
+                if self._eof:
                     raise AssertionError(f"the worker exited before {event!r}: {self.logs}")
-                if self._keep(line).get("event") == event:
-                    return self.logs[-1]
+                await self._line.wait()
 
     async def stdout_json(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         """Wait for the next line on stdout, as JSON."""
@@ -73,10 +85,10 @@ class Worker:
     async def finish(self, timeout_s: float = EXIT_TIMEOUT_S) -> int:
         """Wait for the exit; collect the rest of stdout and the logs. Returns the exit code."""
         with anyio.fail_after(timeout_s):
-            out, err = await self.proc.communicate()
-        self.stdout += out.decode()
-        for line in err.splitlines():
-            self._keep(line)
+            if self.proc.stdout is not None:
+                self.stdout += (await self.proc.stdout.read()).decode()
+            await self._reader
+            await self.proc.wait()
         assert self.proc.returncode is not None
         return self.proc.returncode
 

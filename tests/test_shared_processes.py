@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import signal
 import sqlite3
 import textwrap
@@ -165,3 +166,108 @@ async def test_three_producers_one_worker_killed_mid_batch_lose_nothing(
         )
         assert [k for k, role, _ in rows if role == "assistant"] == keys
     assert count(db, "SELECT count(*) FROM outbox WHERE status = 'dead'") == 0
+
+
+# A gateway that goes on with its sessions where an earlier run of it left off: each run
+# numbers its turns from its own block, so stored turns show their accept order. With a
+# kill point, it SIGKILLs itself there, as a crash would, with turns still in its slot.
+RESTARTING_PRODUCER = textwrap.dedent(
+    """
+    import asyncio, json, os, signal, sys
+    from pathlib import Path
+    from hermes_async_memory import MemoryPipeline, Settings
+    from hermes_async_memory.logs import configure_logging
+
+    db, name, first, turns, sessions, kill_at = (
+        Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+        int(sys.argv[6]))
+
+    async def main():
+        settings = Settings(db_path=db, role="producer", shared_poll_ms=5.0)
+        async with MemoryPipeline(settings) as mem:
+            print(json.dumps({"slot": str(mem.outbox_dir)}), flush=True)
+            for i in range(first, first + turns):
+                if i - first == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                r = mem.sync_turn(f"{name} turn {i}", f"answer {i}",
+                                  session_id=f"{name}-s{i % sessions}", user_id=name)
+                print(json.dumps({"session": r.session_id, "i": i}), flush=True)
+                if i % 20 == 19:
+                    await asyncio.sleep(0)  # the gateway's other work: the writer runs
+            await mem.flush(timeout=300)
+        print(json.dumps({"done": turns}), flush=True)
+
+    configure_logging(json=True, level="warning")  # stderr; nobody reads it until the end
+    asyncio.run(main())
+    """
+)
+ROUNDS = 5
+ROUND_TURNS = 600
+BLOCK = 100_000  # turn numbers of run r start at r * BLOCK
+
+
+async def run_producer(proc: Worker) -> tuple[str, list[tuple[str, int]], int, int]:
+    """(its slot, the acknowledged (session, turn number) in order, its exit code, the turns
+    it handed in from slots that gone producers left)."""
+    slot = str((await proc.stdout_json())["slot"])
+    assert proc.proc.stdout is not None
+    acked = []
+    async for line in proc.proc.stdout:
+        rec = json.loads(line)
+        if "i" in rec:
+            acked.append((rec["session"], rec["i"]))
+    code = await proc.finish()
+    handed = sum(int(r.get("turns", 0)) for r in proc.logs
+                 if r.get("event") == "producer_slot_adopted")
+    return slot, acked, code, handed
+
+
+async def test_per_session_order_holds_across_producer_kills_and_restarts_into_any_slot(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    """Invariant, checked on every session: the stored turns are in accept order, and every
+    acknowledged turn is stored exactly once. Each round every producer SIGKILLs itself at a
+    random point, with turns still in its slot, and all restart at once: a restarted producer
+    lands in another slot while its old slot is handed in."""
+    rng = random.Random(9)
+    db = tmp_path / "memory.db"
+    script = tmp_path / "producer.py"
+    script.write_text(RESTARTING_PRODUCER)
+    worker = await spawn("-m", "workers", "--db", str(db), "--log-format", "json")
+    await worker.log_line("worker_ready")
+
+    acked: dict[str, list[int]] = {}  # session -> acknowledged turn numbers, in accept order
+    slots: dict[str, list[str]] = {f"p{n}": [] for n in range(PRODUCERS)}
+    handed_in = 0
+    for round_ in range(ROUNDS + 1):
+        last = round_ == ROUNDS
+        running = [
+            await spawn(str(script), str(db), name, str(round_ * BLOCK), str(ROUND_TURNS),
+                        str(SESSIONS), str(-1 if last else rng.randrange(50, ROUND_TURNS)))
+            for name in slots
+        ]
+        with anyio.fail_after(WAIT_S):
+            results = await asyncio.gather(*(run_producer(p) for p in running))
+        for name, (slot, turns, code, handed) in zip(slots, results, strict=True):
+            slots[name].append(slot)
+            handed_in += handed
+            assert code == (0 if last else -signal.SIGKILL)
+            for session, i in turns:
+                acked.setdefault(session, []).append(i)
+    moved = [name for name, seen in slots.items() if len(set(seen)) > 1]
+    assert moved, f"some producer restarted into another slot: {slots}"
+    assert handed_in, "restarted producers handed in turns their killed runs left"
+
+    with anyio.fail_after(WAIT_S):  # the worker drains what was handed in
+        while count(db, "SELECT count(*) FROM inbox") > 0:  # noqa: ASYNC110 - another process
+            await anyio.sleep(0.05)
+    worker.signal(signal.SIGTERM)
+    assert await worker.finish() == 0
+
+    stored = stored_turns(db)
+    for session, numbers in acked.items():
+        got = [int(text.rsplit(" ", 1)[1]) for _, role, text in stored[session]
+               if role == "user"]
+        assert got == sorted(got) and len(got) == len(set(got)), (
+            f"session {session}: stored in accept order, each once: {got}")
+        assert set(numbers) <= set(got), f"session {session}: acknowledged turns lost"
