@@ -289,6 +289,11 @@ class FakeHoncho:
         with self._lock:
             self._refused.add(marker)
 
+    def hanging(self) -> int:
+        """How many responses are held right now."""
+        with self._lock:
+            return len(self._hangs)
+
     def release_hangs(self) -> None:
         """Let every held response go (it reaches a client that has given up)."""
         with self._lock:
