@@ -12,6 +12,7 @@ import pytest
 from hermes_async_memory import MemoryPipeline, Settings
 
 from .processes import EXIT_TIMEOUT_S, Spawn, Worker
+from .test_supervisor import corrupt_store
 
 # A second signal must end the process promptly, far below the drain it interrupts.
 PROMPT_EXIT_S = 10.0
@@ -188,3 +189,28 @@ async def test_demo_prints_each_step_exits_0_and_leaves_its_turns_stored(
             assert [m["role"] for m in messages] == ["user", "assistant"] * 20
             assert len({m["turn_key"] for m in messages}) == 20
             assert all(m["content"] for m in messages)
+
+
+async def test_a_worker_whose_store_goes_bad_exits_3_with_one_line_naming_the_cause(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    """The store file is damaged under a running worker: its parts cannot go on. It must not
+    linger half-alive nor die with a traceback: one line, and an exit code of its own that a
+    service manager restarts on."""
+    db = tmp_path / "memory.db"
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        for i in range(200):
+            mem.sync_turn(f"question {i}", f"answer {i}", session_id=f"s{i % 10}")
+    worker = await spawn("-m", "workers", "--db", str(db), "--log-format", "json",
+                         "--deadline", "1")
+    await worker.log_line("worker_ready")
+    corrupt_store(db)
+
+    assert await worker.finish() == 3
+    failed = await worker.log_line("pipeline_failed")
+    assert "malformed" in failed["error"]
+    plain = [rec["raw"] for rec in worker.logs if rec["event"] is None]
+    assert len(plain) == 1, plain
+    assert plain[0].startswith("python -m workers: error: the pipeline's ")
+    assert "malformed" in plain[0]
+    assert "Traceback" not in "".join(plain)
