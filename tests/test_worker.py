@@ -180,6 +180,15 @@ async def test_demo_prints_each_step_exits_0_and_leaves_its_turns_stored(
     ):
         assert section in out, f"missing {section!r} in:\n{out}"
     assert lines[-1] == "flushed; 1000 turns committed, 0 left in outbox"
+    # The report alone on stdout; the log lines on stderr, whatever stdout is (a pipe here).
+    assert not [line for line in lines if line.lstrip().startswith("{")]
+    assert "worker_ready" in worker.events() and "batch_committed" in worker.events()
+    # The recalled block leaves out what its recent turns already show.
+    block = out.split("prefetch(session_id=", 1)[1].split("prefetch_status:", 1)[0]
+    recent, related = block.split("Related memory:", 1)
+    shown = {line.split(": ", 1)[1] for line in recent.splitlines() if "- user: " in line}
+    assert shown and not [line for line in related.splitlines()
+                          if line.strip().startswith("- [") and line.split("] ", 1)[1] in shown]
     run_id = lines[0].split("(run ", 1)[1].split(")", 1)[0]
 
     async with MemoryPipeline(Settings(db_path=db)) as mem:
