@@ -8,6 +8,8 @@ backend's backoff sleeps, events) under ``anyio.fail_after``, never on a fixed s
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -487,3 +489,15 @@ def test_config_from_env() -> None:
         HonchoConfig.from_env({"HONCHO_API_KEY": "k", "HONCHO_WRITE_CONCURRENCY": "many"})
     with pytest.raises(ConfigurationError, match="recall_mode"):
         HonchoConfig(base_url="http://127.0.0.1:1", recall_mode="psychic")  # type: ignore[arg-type]
+
+
+def test_the_library_imports_without_the_sdk() -> None:
+    # Most deployments never use Honcho: importing the backend must not cost them the SDK's
+    # imports (or fail when the honcho extra is not installed).
+    code = ("import sys, hermes_async_memory\n"
+            "from hermes_async_memory.backends.honcho import HonchoBackend, HonchoConfig\n"
+            "HonchoBackend(HonchoConfig(base_url='http://127.0.0.1:1'))\n"
+            "print(sorted({'honcho', 'httpx', 'pydantic'} & set(sys.modules)))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]"
