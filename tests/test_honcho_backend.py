@@ -315,6 +315,8 @@ async def test_a_batch_out_of_attempts_fails_with_the_rest_of_its_session(
     assert not any(f.permanent for f in failures)
     assert "gave up after 2 attempts" in failures[0].reason
     assert "not attempted" in failures[-1].reason
+    # The first call's 50 turns were sent and failed; the 70 behind them were never sent.
+    assert [f.attempted for f in failures] == [True] * 50 + [False] * 70
     assert stored(fake, "s1") == expected([turn("s1", 0)])  # nothing out of order
 
     await backend.write(turns)  # later, the same turns go through, in order
@@ -357,13 +359,15 @@ async def test_the_circuit_opens_fails_fast_and_recovers(
     with anyio.fail_after(10), pytest.raises(HonchoWriteError) as info:
         await backend.write([turn("s1", 1)])
     assert "circuit open" in info.value.failures[0].reason
+    assert info.value.failures[0].attempted, "it was sent three times before the circuit opened"
     assert fake.total_calls() == 4 + 3  # the first write's 4, then 3 failures opened it
     assert backend.breaker.state == "open"
 
     calls = fake.total_calls()
-    with pytest.raises(CircuitOpenError):  # fails fast: nothing reaches the server
+    with pytest.raises(CircuitOpenError) as held:  # fails fast: nothing reaches the server
         await backend.write([turn("s1", 1), turn("s2", 0)])
     assert fake.total_calls() == calls
+    assert not any(f.attempted for f in held.value.failures)
 
     clock.t += 31  # cooled down: one probe, which fails, and the circuit opens again
     with pytest.raises(HonchoWriteError):

@@ -92,11 +92,15 @@ class CallRetry(Exception):
 class CallFailed(Exception):
     """A call failed for good (for now)."""
 
-    def __init__(self, reason: str, *, permanent: bool, bisect: bool = False):
+    def __init__(self, reason: str, *, permanent: bool, bisect: bool = False,
+                 sent: bool = True):
         super().__init__(reason)
         self.reason = reason
         self.permanent = permanent
         self.bisect = bisect  # the server refused something in the batch: split to find it
+        # False: nothing went out (the circuit was open), so the turns behind it were not
+        # tried, and their failure uses up none of their attempts.
+        self.sent = sent
 
 
 # -- the circuit breaker -------------------------------------------------------------------
@@ -136,7 +140,7 @@ class CircuitBreaker:
                 await self._probe_done.wait()
                 continue
             if self.is_open():
-                raise CallFailed(CIRCUIT_OPEN, permanent=False)
+                raise CallFailed(CIRCUIT_OPEN, permanent=False, sent=False)
             self.state = "half_open"
             self._probe_done = anyio.Event()
             return True
@@ -251,6 +255,9 @@ class HonchoClient:
                 return await fn()
             except CallRetry as r:
                 await self.pause(route, attempt, r)
+            except CallFailed as f:
+                f.sent = f.sent or attempt > 1  # an earlier attempt went out and failed
+                raise
 
     async def attempt(self, route: str, fn: Callable[[], Awaitable[T]]) -> T:
         """One HTTP call through the breaker, its failure sorted into retry or give up.

@@ -16,7 +16,9 @@ Failures. A batch the server refuses (422, 400, 413) is split in halves until th
 is alone; the other turns are written, in order, and the turn fails with the server's reason.
 When a batch cannot be written after ``max_attempts``, it and the rest of its session's turns
 in that call fail (so nothing is written out of order). Either way ``write`` raises
-``HonchoWriteError`` naming each failed turn, why, and whether retrying the same turn can help.
+``HonchoWriteError`` naming each failed turn, why, whether retrying the same turn can help,
+and whether it was sent at all: the turns behind a failed batch, and those the open circuit
+held back, were not (``TurnFailure.attempted``), so their failure uses up none of their attempts.
 """
 
 from __future__ import annotations
@@ -69,11 +71,13 @@ class _Outcome:
     failed: set[str] = field(default_factory=set)
     written: int = 0
 
-    def fail(self, turns: Iterable[Turn], reason: str, *, permanent: bool) -> None:
+    def fail(self, turns: Iterable[Turn], reason: str, *, permanent: bool,
+             attempted: bool = True) -> None:
         for t in turns:
             if t.key not in self.failed:
                 self.failed.add(t.key)
-                self.failures.append(TurnFailure(t.key, t.session_id, reason, permanent))
+                self.failures.append(
+                    TurnFailure(t.key, t.session_id, reason, permanent, attempted))
 
 
 class _LRU:
@@ -126,7 +130,8 @@ class SessionWriter:
         if self.client.breaker.is_open():
             self.counts["turns_failed"] += len(turns)
             raise CircuitOpenError(
-                [TurnFailure(t.key, t.session_id, CIRCUIT_OPEN, False) for t in turns], written=0)
+                [TurnFailure(t.key, t.session_id, CIRCUIT_OPEN, False, attempted=False)
+                 for t in turns], written=0)
         groups: dict[str, list[Turn]] = {}
         for t in turns:
             groups.setdefault(t.session_id, []).append(t)
@@ -184,8 +189,12 @@ class SessionWriter:
             if maybe_sent:
                 units = await self._without_present(session, units)
         except CallFailed as f:
+            # The set-up was for the session's first batch: only that batch was tried (when
+            # the call went out at all); the turns behind it were not.
+            head = [u.turn for u in next(iter(self._groups(units)), [])]
             self._note_failure(name, turns, f)
-            outcome.fail(turns, f.reason, permanent=f.permanent)
+            outcome.fail(head, f.reason, permanent=f.permanent, attempted=f.sent)
+            outcome.fail(turns, f.reason, permanent=f.permanent, attempted=False)
             return
         outcome.written += sum(1 for u in units if not u.msgs)  # all on the server already
         queue = deque(self._groups(units))
@@ -201,13 +210,13 @@ class SessionWriter:
                     continue
                 refused = [u.turn for u in group]
                 self._note_failure(name, refused, f)
-                outcome.fail(refused, f.reason, permanent=f.permanent)
+                outcome.fail(refused, f.reason, permanent=f.permanent, attempted=f.sent)
                 if f.bisect:
                     continue  # the server refused this turn alone; the next ones still go
                 rest = [u.turn for g in queue for u in g]
                 # Unreachable: the session's later turns wait for the next write, in order.
                 outcome.fail(rest, f"not attempted after an earlier batch of this session "
-                             f"failed: {f.reason}", permanent=False)
+                             f"failed: {f.reason}", permanent=False, attempted=False)
                 return
             outcome.written += len(group)
 
@@ -234,7 +243,11 @@ class SessionWriter:
     async def _send_group(self, session: Any, group: list[Unit]) -> None:
         msgs = [m for u in group for m in u.msgs]
         for i in range(0, len(msgs), MAX_MESSAGES_PER_CALL):
-            await self._send(session, msgs[i:i + MAX_MESSAGES_PER_CALL])
+            try:
+                await self._send(session, msgs[i:i + MAX_MESSAGES_PER_CALL])
+            except CallFailed as f:
+                f.sent = f.sent or i > 0  # part of the group went out: the group was tried
+                raise
 
     async def _send(self, session: Any, msgs: list[Msg]) -> None:
         """One ``add_messages`` call, retried; a retry after an unknown outcome first asks
@@ -259,12 +272,17 @@ class SessionWriter:
                     if not pending:
                         return
                 batch = [m.params for m in pending]
-                await self.client.attempt("add_messages",
-                                    functools.partial(session.aio.add_messages, batch))
+                await self.client.attempt(
+                    "add_messages", functools.partial(session.aio.add_messages, batch))
                 return
             except CallRetry as r:
                 unknown = unknown or r.unknown
                 await self.client.pause("add_messages", attempt, r)
+            except CallFailed as f:
+                # An earlier attempt went out and failed: the batch was tried, even when this
+                # one was held back by the circuit that failure helped open.
+                f.sent = f.sent or attempt > 1
+                raise
 
     async def _present(self, session: Any, keys: Sequence[str]) -> set[tuple[str, int]]:
         """(turn key, index) of the session's messages that carry one of ``keys``.
