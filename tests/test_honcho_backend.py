@@ -214,7 +214,11 @@ async def test_server_errors_are_retried_without_duplicates(
     with anyio.fail_after(10):
         await backend.write(turns)
     assert stored(fake, "s1") == expected(turns)
+    # Backoff from backoff_base_s (0.01 s), doubling, capped at backoff_max_s (0.04 s),
+    # with up to half of each wait taken off at random.
     assert len(sleeps.delays) == 3
+    for delay, full in zip(sleeps.delays, (0.01, 0.02, 0.04), strict=True):
+        assert full / 2 <= delay <= full
 
     # A 500 that comes after the server stored the batch: the retry finds it and sends
     # nothing again.

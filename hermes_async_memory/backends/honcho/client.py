@@ -3,7 +3,8 @@ each SDK error sorted into "another attempt may help" or "give up".
 
 The SDK's own retries are off (``max_retries=0``): a blind retry of a ``POST .../messages``
 whose response was lost stores the messages twice; the replication decides what to resend.
-Retries use exponential backoff with jitter and honour ``Retry-After`` on a 429. The circuit
+Retries wait by the project's one policy (``retry.Backoff``, from ``backoff_base_s`` doubling
+up to ``backoff_max_s``, with jitter) and honour ``Retry-After`` on a 429. The circuit
 breaker opens after ``breaker_failures`` consecutive failed calls; while it is open, calls fail
 at once; after ``breaker_cooldown_s`` one call probes and the others wait for its answer.
 
@@ -26,6 +27,7 @@ import structlog
 
 from ...errors import BackendError
 from ...extras import require
+from ...retry import Backoff
 from ..base import BackendUnavailableError, BackendWriteError, TurnFailure
 from .config import HonchoConfig
 
@@ -34,6 +36,7 @@ log = structlog.get_logger(__name__)
 T = TypeVar("T")
 
 _MAX_REASON_CHARS = 500
+RETRY_AFTER_JITTER = 0.1  # share of a Retry-After added at random
 
 
 @functools.cache
@@ -186,6 +189,7 @@ class HonchoClient:
         self.config = config
         self.workspace = workspace
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s, clock)
+        self.backoff = Backoff(base_s=config.backoff_base_s, cap_s=config.backoff_max_s)
         self.calls: Counter[str] = Counter()  # HTTP calls by route
         self.retries = 0
         self._sleep = sleep
@@ -294,10 +298,11 @@ class HonchoClient:
             if r.retry_after > c.retry_after_max_s:
                 raise CallFailed(f"{r.reason} (Retry-After {r.retry_after:g} s is longer than "
                                  f"{c.retry_after_max_s:g} s)", permanent=False)
-            delay = r.retry_after * (1 + self._rng.uniform(0, 0.1))
+            # A little past what the server asked, so that clients told the same do not
+            # all come back at once.
+            delay = r.retry_after * (1 + self._rng.uniform(0, RETRY_AFTER_JITTER))
         else:
-            cap = min(c.backoff_max_s, c.backoff_base_s * 2 ** (attempt - 1))
-            delay = cap / 2 + self._rng.uniform(0, cap / 2)  # "equal jitter"
+            delay = self.backoff.delay(attempt, rng=self._rng)
         self.retries += 1
         log.debug("honcho_retry", route=route, attempt=attempt, reason=r.reason,
                   delay_s=round(delay, 3))
