@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from ...env import read_env
 from ...errors import ConfigurationError
 
 # The server's limit on a message's content (settings.MAX_MESSAGE_SIZE in honcho): longer
@@ -117,39 +118,13 @@ class HonchoConfig:
                 are invalid together (say, a remote base URL without an API key).
         """
         env = os.environ if environ is None else environ
-        values: dict[str, object] = {}
-        for f in dataclasses.fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None:
-                continue
-            values[f.name] = _parse_env(f.name, str(f.type), raw)
+        values = read_env(cls, env, ENV_PREFIX)
         values.update(overrides)
         return cls(**values)  # type: ignore[arg-type]
 
     def replace(self, **changes: object) -> HonchoConfig:
         """A copy with some fields changed."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
-
-
-def _parse_env(name: str, kind: str, raw: str) -> object:
-    var = ENV_PREFIX + name.upper()
-    try:
-        if kind == "int":
-            return int(raw.replace("_", ""))
-        if kind == "float":
-            return float(raw)
-    except ValueError as exc:
-        raise ConfigurationError(f"{var} is not a {kind}: {raw!r}") from exc
-    if kind == "bool":
-        lowered = raw.strip().lower()
-        if lowered in ("1", "true", "yes", "on"):
-            return True
-        if lowered in ("0", "false", "no", "off"):
-            return False
-        raise ConfigurationError(f"{var} is not a boolean: {raw!r}")
-    if kind == "str | None":
-        return raw or None
-    return raw
 
 
 def is_loopback_url(url: str) -> bool:
