@@ -5,7 +5,8 @@ Honcho and may answer recalls from it. One module per concern, in the order a tu
 
 - ``config``: ``HonchoConfig``, where the server is and how to talk to it (``HONCHO_*``);
 - ``mapping``: local sessions, users and turns as Honcho ids, peers and tagged messages;
-- ``client``: the SDK client; every call through the circuit breaker, its errors sorted into
+- ``breaker``: the circuit breaker in front of every call;
+- ``client``: the SDK client; every call through the breaker, its errors sorted into
   retry or give up, retries with backoff (``Retry-After`` honoured);
 - ``replication``: ``write``, per session in order, batches of at most 100 messages, exactly
   once (a resend first asks what the server holds), refused batches bisected;
@@ -19,7 +20,8 @@ imported: the pipeline imports the backends package, and most deployments never 
 from __future__ import annotations
 
 from .backend import HonchoBackend
-from .client import CircuitBreaker, CircuitOpenError, HonchoWriteError
+from .breaker import CircuitBreaker
+from .client import CircuitOpenError, HonchoWriteError
 from .config import (
     ENV_PREFIX,
     PRODUCTION_URL,

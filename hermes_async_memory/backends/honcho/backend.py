@@ -12,7 +12,8 @@ import anyio
 from ...errors import BackendError
 from ...turns import Turn
 from ..base import Backend, RecallRequest
-from .client import CircuitBreaker, HonchoClient
+from .breaker import CircuitBreaker
+from .client import HonchoClient
 from .config import HonchoConfig
 from .mapping import Mapper
 from .recall import RECALL_FAILED, Recaller

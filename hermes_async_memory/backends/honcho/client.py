@@ -20,7 +20,7 @@ import json
 import random
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import structlog
@@ -29,6 +29,7 @@ from ...errors import BackendError
 from ...extras import require
 from ...retry import Backoff
 from ..base import BackendUnavailableError, BackendWriteError, TurnFailure
+from .breaker import CircuitBreaker, CircuitOpen
 from .config import HonchoConfig
 
 log = structlog.get_logger(__name__)
@@ -104,79 +105,6 @@ class CallFailed(Exception):
         # False: nothing went out (the circuit was open), so the turns behind it were not
         # tried, and their failure uses up none of their attempts.
         self.sent = sent
-
-
-# -- the circuit breaker -------------------------------------------------------------------
-
-CircuitState = Literal["closed", "open", "half_open"]
-CIRCUIT_OPEN = "circuit open: Honcho failed repeatedly, not trying until the cool-down ends"
-
-
-class CircuitBreaker:
-    """Opens after ``threshold`` consecutive failed calls; after ``cooldown_s`` one call
-    probes while the others wait for its outcome."""
-
-    def __init__(self, threshold: int, cooldown_s: float, clock: Callable[[], float]) -> None:
-        self.threshold = threshold
-        self.cooldown_s = cooldown_s
-        self._clock = clock
-        self.state: CircuitState = "closed"
-        self.consecutive_failures = 0
-        self.opened = 0  # times it opened
-        self._opened_at = 0.0
-        self._probe_done: anyio.Event | None = None
-
-    def is_open(self) -> bool:
-        """Open and still cooling down: a call now would fail fast."""
-        return self.state == "open" and self._clock() - self._opened_at < self.cooldown_s
-
-    async def admit(self) -> bool:
-        """Wait until a call may go; True when this call is the half-open probe.
-
-        Raises:
-            CallFailed: the circuit is open.
-        """
-        while True:
-            if self.state == "closed":
-                return False
-            if self._probe_done is not None:  # a probe is out: its outcome decides
-                await self._probe_done.wait()
-                continue
-            if self.is_open():
-                raise CallFailed(CIRCUIT_OPEN, permanent=False, sent=False)
-            self.state = "half_open"
-            self._probe_done = anyio.Event()
-            return True
-
-    def settle(self, probe: bool, *, healthy: bool) -> None:
-        if healthy:
-            self.consecutive_failures = 0
-            if self.state != "closed":
-                log.info("honcho_circuit_closed")
-                self.state = "closed"
-        else:
-            self.consecutive_failures += 1
-            if probe or (self.state == "closed"
-                         and self.consecutive_failures >= self.threshold):
-                self.state = "open"
-                self.opened += 1
-                self._opened_at = self._clock()
-                log.warning("honcho_circuit_open", consecutive_failures=self.consecutive_failures,
-                            cooldown_s=self.cooldown_s)
-        if probe:
-            self._end_probe()
-
-    def abandon(self, probe: bool) -> None:
-        """The call ended with no verdict (cancelled, or a bug): let another call probe."""
-        if probe:
-            if self.state == "half_open":
-                self.state = "open"  # cooled down already: the next call probes at once
-            self._end_probe()
-
-    def _end_probe(self) -> None:
-        if self._probe_done is not None:
-            self._probe_done.set()
-            self._probe_done = None
 
 
 class HonchoClient:
@@ -271,7 +199,11 @@ class HonchoClient:
             CallFailed: the server refused it, or the circuit is open.
         """
         honcho = sdk()
-        probe = await self.breaker.admit()
+        try:
+            probe = await self.breaker.admit()
+        except CircuitOpen as exc:
+            # Nothing went out, so the turns of this call were not tried.
+            raise CallFailed(str(exc), permanent=False, sent=False) from None
         self.calls[route] += 1
         try:
             result = await fn()

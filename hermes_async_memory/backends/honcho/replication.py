@@ -35,8 +35,8 @@ import structlog
 
 from ...turns import Turn
 from ..base import TurnFailure
+from .breaker import CIRCUIT_OPEN
 from .client import (
-    CIRCUIT_OPEN,
     CallFailed,
     CallRetry,
     CircuitOpenError,
