@@ -117,8 +117,9 @@ class Replicator:
                 continue
             reason = f.reason if f is not None else describe(exc)
             permanent = f.permanent if f is not None else False
-            # Only a turn that was part of a failed send uses up an attempt.
-            attempted = getattr(f, "attempted", True) if f is not None else True
+            # Only a turn that was part of a failed send uses up an attempt: not one held
+            # back behind an earlier failed batch of its session, or by an open circuit.
+            attempted = f.attempted if f is not None else True
             if permanent:
                 counted.append((r.id, reason, True))
             elif outage or not attempted:

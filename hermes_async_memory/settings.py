@@ -1,4 +1,5 @@
-"""Settings: one frozen dataclass, read from the environment only at the edge."""
+"""Settings: one frozen dataclass, read from the environment only at the edge
+(``Settings.from_env()``, through the one parser in ``env``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Literal
 import platformdirs
 
 from .backends.honcho import HonchoConfig
+from .env import read_env
 from .errors import ConfigurationError
 
 OverflowPolicy = Literal["defer", "reject"]
@@ -160,29 +162,9 @@ class Settings:
             ConfigurationError: a variable does not parse as its field's type.
         """
         env = os.environ if environ is None else environ
-        values: dict[str, object] = {}
-        for f in dataclasses.fields(cls):
-            if f.name == "honcho":
-                continue  # HONCHO_* below
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None:
-                continue
-            values[f.name] = _parse(f.name, f.type, raw)
+        values = read_env(cls, env, ENV_PREFIX, skip=("honcho",))  # HONCHO_* below
         values.update(overrides)
         if values.get("backend") == "honcho" and values.get("honcho") is None:
             values["honcho"] = HonchoConfig.from_env(env)
         return cls(**values)  # type: ignore[arg-type]
 
-
-def _parse(name: str, type_name: object, raw: str) -> object:
-    kind = str(type_name)
-    try:
-        if kind == "int":
-            return int(raw.replace("_", ""))
-        if kind == "float":
-            return float(raw)
-        if kind == "Path":
-            return Path(raw)
-    except ValueError as exc:
-        raise ConfigurationError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a {kind}") from exc
-    return raw

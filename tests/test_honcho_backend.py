@@ -8,6 +8,8 @@ backend's backoff sleeps, events) under ``anyio.fail_after``, never on a fixed s
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -212,7 +214,11 @@ async def test_server_errors_are_retried_without_duplicates(
     with anyio.fail_after(10):
         await backend.write(turns)
     assert stored(fake, "s1") == expected(turns)
+    # Backoff from backoff_base_s (0.01 s), doubling, capped at backoff_max_s (0.04 s),
+    # with up to half of each wait taken off at random.
     assert len(sleeps.delays) == 3
+    for delay, full in zip(sleeps.delays, (0.01, 0.02, 0.04), strict=True):
+        assert full / 2 <= delay <= full
 
     # A 500 that comes after the server stored the batch: the retry finds it and sends
     # nothing again.
@@ -313,6 +319,8 @@ async def test_a_batch_out_of_attempts_fails_with_the_rest_of_its_session(
     assert not any(f.permanent for f in failures)
     assert "gave up after 2 attempts" in failures[0].reason
     assert "not attempted" in failures[-1].reason
+    # The first call's 50 turns were sent and failed; the 70 behind them were never sent.
+    assert [f.attempted for f in failures] == [True] * 50 + [False] * 70
     assert stored(fake, "s1") == expected([turn("s1", 0)])  # nothing out of order
 
     await backend.write(turns)  # later, the same turns go through, in order
@@ -355,13 +363,15 @@ async def test_the_circuit_opens_fails_fast_and_recovers(
     with anyio.fail_after(10), pytest.raises(HonchoWriteError) as info:
         await backend.write([turn("s1", 1)])
     assert "circuit open" in info.value.failures[0].reason
+    assert info.value.failures[0].attempted, "it was sent three times before the circuit opened"
     assert fake.total_calls() == 4 + 3  # the first write's 4, then 3 failures opened it
     assert backend.breaker.state == "open"
 
     calls = fake.total_calls()
-    with pytest.raises(CircuitOpenError):  # fails fast: nothing reaches the server
+    with pytest.raises(CircuitOpenError) as held:  # fails fast: nothing reaches the server
         await backend.write([turn("s1", 1), turn("s2", 0)])
     assert fake.total_calls() == calls
+    assert not any(f.attempted for f in held.value.failures)
 
     clock.t += 31  # cooled down: one probe, which fails, and the circuit opens again
     with pytest.raises(HonchoWriteError):
@@ -487,3 +497,15 @@ def test_config_from_env() -> None:
         HonchoConfig.from_env({"HONCHO_API_KEY": "k", "HONCHO_WRITE_CONCURRENCY": "many"})
     with pytest.raises(ConfigurationError, match="recall_mode"):
         HonchoConfig(base_url="http://127.0.0.1:1", recall_mode="psychic")  # type: ignore[arg-type]
+
+
+def test_the_library_imports_without_the_sdk() -> None:
+    # Most deployments never use Honcho: importing the backend must not cost them the SDK's
+    # imports (or fail when the honcho extra is not installed).
+    code = ("import sys, hermes_async_memory\n"
+            "from hermes_async_memory.backends.honcho import HonchoBackend, HonchoConfig\n"
+            "HonchoBackend(HonchoConfig(base_url='http://127.0.0.1:1'))\n"
+            "print(sorted({'honcho', 'httpx', 'pydantic'} & set(sys.modules)))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]"

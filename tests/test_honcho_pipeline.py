@@ -158,3 +158,62 @@ async def test_a_message_honcho_refuses_is_a_dead_letter_and_its_session_goes_on
         f"SELECT count(*) FROM replica_outbox WHERE status = 'dead' AND turn_key = '{bad}' "
         "AND last_error LIKE '%422%'")
     assert reason == 1, "the dead letter keeps the server's reason"
+
+
+async def test_turns_behind_a_failing_batch_use_up_no_attempts(
+    tmp_path: Path, fake: FakeHoncho
+) -> None:
+    # 120 turns of one session are 240 messages: calls of 50, 50 and 20 turns. The first call
+    # fails every time until its 50 turns are dead letters. The 70 turns behind it were never
+    # sent: they must keep their attempts, and arrive, in order, once the session moves on.
+    backend = HonchoBackend(honcho_config(fake, max_attempts=1, breaker_failures=50))
+    # One commit for the 120 turns, so that the replicator sends them in one write.
+    config = settings(tmp_path, replica_max_attempts=2, max_wait_ms=500.0)
+    async with MemoryPipeline(config, backend) as mem:
+        first = mem.sync_turn("hello", "hi", session_id="s", user_id="u").key
+        await mem.flush()
+        await eventually(mem, lambda: mem.stats().replicated_turns == 1, "the session exists")
+        fake.fail("add_messages", times=2, status=502)  # the first call, and its one retry
+        keys = [mem.sync_turn(f"question {n}", f"answer {n}", session_id="s", user_id="u").key
+                for n in range(120)]
+        await mem.flush()
+        await eventually(mem, lambda: mem.stats().replicated_turns + mem.stats().replica_dead
+                         == 121, "every turn written or given up")
+        stats = mem.stats()
+    assert stats.replica_dead == 50, "only the turns of the failed call are given up"
+    assert on_server(fake, "s") == each_once_in_order([first, *keys[50:]])
+    never_sent = count_rows(
+        tmp_path / "memory.db",
+        "SELECT count(*) FROM replica_outbox WHERE status = 'dead' AND attempts = 2")
+    assert never_sent == 50, "each dead letter failed its two sends"
+
+
+async def test_turns_held_back_by_the_open_circuit_use_up_no_attempts(
+    tmp_path: Path, fake: FakeHoncho
+) -> None:
+    # Sessions s0 and s1 are written first (two lanes); s2 waits for a lane. s0's or s1's
+    # call fails with a 502 and opens the circuit; the other's call hangs until it times out.
+    # s2's lane starts while the circuit is open: its turns are held back, never sent. The
+    # hung call's retry then probes after the cool-down and closes the circuit again, so the
+    # write ends with the circuit closed: no outage, and the held-back turns must still keep
+    # their attempts.
+    backend = HonchoBackend(honcho_config(
+        fake, write_concurrency=2, breaker_failures=1, breaker_cooldown_s=0.5,
+        request_timeout_s=1.5, max_attempts=2))
+    config = settings(tmp_path, replica_max_attempts=1, max_wait_ms=500.0)  # one write
+    async with MemoryPipeline(config, backend) as mem:
+        before = accept(mem, 3, 1)
+        await mem.flush()
+        await eventually(mem, lambda: mem.stats().replicated_turns == 3, "the sessions exist")
+        fake.fail("add_messages", times=1, status=502)
+        fake.hang_after_commit(1)
+        during = accept(mem, 3, 3)
+        await mem.flush()
+        await eventually(mem, lambda: mem.stats().replicated_turns + mem.stats().replica_dead
+                         == 12, "every turn written or given up")
+        stats = mem.stats()
+    assert stats.replica_dead == 3, "only the turns of the call that failed are given up"
+    assert on_server(fake, "s2") == each_once_in_order(before["s2"] + during["s2"])
+    complete = [sid for sid in ("s0", "s1")
+                if on_server(fake, sid) == each_once_in_order(before[sid] + during[sid])]
+    assert len(complete) == 1, "the hung call's turns went through, once"

@@ -48,6 +48,7 @@ class ScriptedBackend(InMemoryBackend):
     def __init__(self) -> None:
         super().__init__()
         self.refuse: set[str] = set()
+        self.hold_back: set[str] = set()  # failed as never sent (behind a failed batch, say)
         self.down = False
         self.hold: anyio.Event | None = None
         self.called = anyio.Event()  # set by the first write
@@ -66,8 +67,10 @@ class ScriptedBackend(InMemoryBackend):
                 [TurnFailure(t.key, t.session_id, "down", False) for t in turns], written=0)
         failures = [TurnFailure(t.key, t.session_id, "refused: 422 bad message", True)
                     for t in turns if t.key in self.refuse]
-        await super().write([t for t in turns if t.key not in self.refuse],
-                            maybe_sent=maybe_sent)
+        failures += [TurnFailure(t.key, t.session_id, "not attempted", False, attempted=False)
+                     for t in turns if t.key in self.hold_back]
+        failed = self.refuse | self.hold_back
+        await super().write([t for t in turns if t.key not in failed], maybe_sent=maybe_sent)
         if failures:
             raise BackendWriteError(failures, written=len(turns) - len(failures))
 
@@ -162,6 +165,20 @@ async def test_an_unreachable_backend_loses_nothing_and_counts_no_attempts(
     assert backend.keys("s") == keys
     # Tried before, even uncounted: the backend is told to check what it already holds.
     assert backend.maybe_sent_calls >= backend.calls - sends_while_down >= 1
+
+
+async def test_a_turn_the_backend_never_sent_uses_up_no_attempts(tmp_path: Path) -> None:
+    backend = ScriptedBackend()
+    async with MemoryPipeline(settings(tmp_path).replace(replica_max_attempts=1), backend) as mem:
+        held = mem.sync_turn("held back", "a", session_id="s").key
+        backend.hold_back.add(held)
+        await mem.flush()
+        await eventually(mem, lambda: backend.calls >= 3 or mem.stats().replica_dead > 0,
+                         "held back three times")
+        assert mem.stats().replica_dead == 0, "a turn never sent is not given up"
+        backend.hold_back.clear()
+        await eventually(mem, lambda: mem.stats().replicated_turns == 1, "sent at last")
+    assert backend.keys("s") == [held]
 
 
 async def test_prefetch_keeps_the_last_good_backend_block_marked_stale_while_it_fails(

@@ -24,6 +24,9 @@ class TurnFailure(NamedTuple):
     # True: the backend refused this turn; sending it again fails again (a dead letter).
     # False: the backend was unreachable or overloaded; the turn may go through later.
     permanent: bool
+    # False: the turn was never sent (held back behind an earlier failed batch of its
+    # session, or by an open circuit); its failure uses up none of its attempts.
+    attempted: bool = True
 
 
 class BackendWriteError(BackendError):

@@ -22,6 +22,7 @@ from typing import Any
 
 from ..backends.honcho import ENV_PREFIX as HONCHO_PREFIX
 from ..backends.honcho import PRODUCTION_URL, RECALL_MODES, HonchoConfig
+from ..env import read_env
 from ..errors import ConfigurationError
 from ..settings import BACKENDS, ENV_PREFIX, Settings
 
@@ -35,7 +36,8 @@ DEFAULT_USER_ID = "default_user_id"
 _SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings)) - {"honcho"}
 _PROVIDER_FIELDS = frozenset({DEFAULT_USER_ID})
 # The Honcho backend's options, as "honcho_<field>" keys (HONCHO_<FIELD> in the environment).
-_HONCHO_FIELDS = {f"honcho_{f.name}": f.name for f in dataclasses.fields(HonchoConfig)}
+HONCHO_KEY_PREFIX = "honcho_"
+_HONCHO_FIELDS = {HONCHO_KEY_PREFIX + f.name for f in dataclasses.fields(HonchoConfig)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,31 +110,29 @@ def resolve(hermes_home: Path, values: Mapping[str, Any],
             environ: Mapping[str, str]) -> ProviderConfig:
     """Raises ConfigurationError for an unknown key or an invalid value."""
     _check_keys(values, "the provider config")
-    # The file's values go through the same parser and checks as the environment's, so a
-    # value reads the same whichever of the two it comes from.
-    raw = {
-        ENV_PREFIX + name.upper(): _as_text(name, value)
-        for name, value in values.items()
-        if name in _SETTING_FIELDS and value is not None and value != ""
-    }
-    raw.update({
-        HONCHO_PREFIX + _HONCHO_FIELDS[name].upper(): _as_text(name, value, flag=True)
-        for name, value in values.items()
-        if name in _HONCHO_FIELDS and value is not None and value != ""
-    })
-    db_key = ENV_PREFIX + "DB_PATH"
-    in_file = raw.get(db_key)
-    raw.update({k: v for k, v in environ.items()
-                if k.startswith(ENV_PREFIX) or k.startswith(HONCHO_PREFIX)})
-    db = raw.get(db_key)
+    # The file's values go through the same parser as the environment's, so a value reads
+    # the same whichever of the two it comes from; an error names the key it was given as.
+    text = {name: _as_text(name, value) for name, value in values.items()
+            if name != DEFAULT_USER_ID and value is not None and value != ""}
+    try:
+        chosen = read_env(Settings, text, "", skip=("honcho",), upper=False)
+        honcho = read_env(HonchoConfig, text, HONCHO_KEY_PREFIX, upper=False)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"the provider config: {exc}") from None
+    from_env = read_env(Settings, environ, ENV_PREFIX, skip=("honcho",))
+    chosen.update(from_env)
+    honcho.update(read_env(HonchoConfig, environ, HONCHO_PREFIX))
+    db = chosen.get("db_path")
     if db is None:
-        raw[db_key] = str(hermes_home / DEFAULT_DB)
+        chosen["db_path"] = hermes_home / DEFAULT_DB
     else:
-        path = Path(os.path.expanduser(_expand_home(db, hermes_home)))
-        if db == in_file and not path.is_absolute():
+        path = Path(os.path.expanduser(_expand_home(str(db), hermes_home)))
+        if "db_path" not in from_env and not path.is_absolute():
             path = hermes_home / path  # relative to HERMES_HOME in the file, to the cwd in env
-        raw[db_key] = str(path)
-    settings = Settings.from_env(raw)
+        chosen["db_path"] = path
+    if chosen.get("backend") == "honcho":
+        chosen["honcho"] = HonchoConfig(**honcho)  # type: ignore[arg-type]
+    settings = Settings(**chosen)  # type: ignore[arg-type]
     user = values.get(DEFAULT_USER_ID)
     if user is not None and not isinstance(user, str):
         raise ConfigurationError(f"{DEFAULT_USER_ID} must be a string, got {user!r}")
@@ -219,10 +219,11 @@ def _check_keys(values: Mapping[str, Any], where: str) -> None:
         raise ConfigurationError(f"unknown key(s) in {where}: {', '.join(unknown)}")
 
 
-def _as_text(name: str, value: Any, *, flag: bool = False) -> str:
-    if flag and isinstance(value, bool):
+def _as_text(name: str, value: Any) -> str:
+    """A JSON value of the file as the text an environment variable would hold."""
+    if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    if not isinstance(value, (str, int, float)):
         raise ConfigurationError(f"{name} must be a string or a number, got {value!r}")
     return str(value)
 

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -29,11 +30,12 @@ import anyio
 import structlog
 
 from ..cli import exit_code, fail
+from ..env import PARSE, read_env
 from ..errors import ConfigurationError, HermesMemoryError, PipelineFailedError
 from ..extras import require
 from ..logs import LEVELS, configure_logging
 from ..pipeline import MemoryPipeline
-from ..settings import Settings
+from ..settings import ENV_PREFIX, Settings
 from ..stats import PipelineStats
 from .demo import print_closed, run_demo
 
@@ -55,8 +57,7 @@ DEFAULT_PROG = "python -m workers"
 
 ReadyHook = Callable[[MemoryPipeline], object]
 HttpAddress = tuple[str, int]
-# The worker's own option, not a pipeline setting, so it is read here rather than in Settings.
-HTTP_ENV = "HERMES_MEMORY_HTTP"
+HTTP_ENV = ENV_PREFIX + "HTTP"  # WorkerEnv.http
 
 
 def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
@@ -92,12 +93,38 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     return parser
 
 
-def _http_address(text: str) -> HttpAddress:
+def parse_http_address(text: str) -> HttpAddress:
+    """``HOST:PORT`` (``[::1]:9464`` for an IPv6 host) as (host, port).
+
+    Raises:
+        ValueError: it is not HOST:PORT.
+    """
     host, sep, port = text.rpartition(":")
     host = host.removeprefix("[").removesuffix("]")  # [::1]:9464
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {text!r}")
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:9464), got {text!r}")
     return host, int(port)
+
+
+def _http_address(text: str) -> HttpAddress:
+    try:
+        return parse_http_address(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEnv:
+    """The worker's own options from the environment (``HERMES_MEMORY_<FIELD>``), read by the
+    same parser as ``Settings``: they are not pipeline settings."""
+
+    # Where /healthz and /metrics are served (None: not at all).
+    http: HttpAddress | None = field(default=None, metadata={PARSE: parse_http_address})
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> WorkerEnv:
+        """Raises ConfigurationError: a variable does not parse."""
+        return cls(**read_env(cls, environ, ENV_PREFIX))  # type: ignore[arg-type]
 
 
 def http_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> HttpAddress | None:
@@ -109,13 +136,7 @@ def http_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Http
     address: HttpAddress | None = args.http
     if address is not None:
         return address
-    raw = environ.get(HTTP_ENV, "")
-    if not raw:
-        return None
-    try:
-        return _http_address(raw)
-    except argparse.ArgumentTypeError as exc:
-        raise ConfigurationError(f"{HTTP_ENV}: {exc}") from None
+    return WorkerEnv.from_env(environ).http
 
 
 def _seconds(text: str) -> float:

@@ -1,0 +1,111 @@
+"""How local turns become Honcho data: ids, peers, messages and their metadata.
+
+One Honcho workspace; one peer for the assistant and one per user (a turn without a user gets
+a peer of its own session, so strangers are never merged); one Honcho session per
+``session_id``. Every id is made to fit the server's ``^[a-zA-Z0-9_-]+$`` (at most 512
+characters): an id that fits is kept as is, one that does not is rewritten and gets a hash of
+the original appended, so two different ids never meet. Each message carries its turn's
+idempotency key and its index within the turn in ``metadata``: what the exactly-once check
+before a resend looks for.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import re
+from typing import Any, NamedTuple
+
+from ...turns import Turn
+from .client import sdk
+from .config import HonchoConfig
+
+# The server's rules (honcho src/schemas/api.py): RESOURCE_NAME_PATTERN for workspace, peer
+# and session ids, max_length=512.
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]+")
+_REWRITTEN = re.compile(r".*-h[0-9a-f]{16}")  # what honcho_id appends to an id it rewrote
+MAX_ID_CHARS = 512
+_ID_HASH_CHARS = 16  # 64 bits of blake2b: what keeps rewritten ids apart
+
+# Message metadata fields this backend writes.
+KEY_FIELD = "turn_key"  # the turn's idempotency key
+INDEX_FIELD = "turn_msg"  # the message's index within its turn (0, 1, ...)
+USER_FIELD = "user_peer"  # the user peer of the turn: what a "search" recall filters on
+
+
+def honcho_id(raw: str) -> str:
+    """``raw`` as a Honcho id: unchanged when it already fits ``^[a-zA-Z0-9_-]{1,512}$``,
+    otherwise with the other characters replaced by ``_`` and a hash of ``raw`` appended.
+
+    Deterministic, and collision-safe: two different ids give two different results (up to a
+    64-bit hash), and a rewritten id cannot equal an id that was kept.
+    """
+    # An id that already ends like a rewritten one is rewritten too, so a kept id can never
+    # equal a rewritten one.
+    if (len(raw) <= MAX_ID_CHARS and ID_PATTERN.fullmatch(raw)
+            and not _REWRITTEN.fullmatch(raw)):
+        return raw
+    digest = hashlib.blake2b(raw.encode("utf-8", "surrogatepass"),
+                             digest_size=_ID_HASH_CHARS // 2).hexdigest()
+    stem = re.sub(r"[^A-Za-z0-9_-]", "_", raw)[: MAX_ID_CHARS - _ID_HASH_CHARS - 2]
+    return f"{stem}-h{digest}"
+
+
+
+class Msg(NamedTuple):
+    key: str
+    pos: int  # the index within its turn
+    params: Any  # honcho MessageCreateParams
+
+
+class Unit(NamedTuple):
+    """One turn as the messages it becomes."""
+
+    turn: Turn
+    msgs: list[Msg]
+
+
+class Mapper:
+    """The Honcho ids and messages of local sessions, users and turns under one config."""
+
+    def __init__(self, config: HonchoConfig) -> None:
+        self.config = config
+        self.workspace = honcho_id(config.workspace_id)
+        self.assistant = honcho_id(config.assistant_peer)
+
+    def session_name(self, session_id: str) -> str:
+        """The Honcho session id of a local session."""
+        return honcho_id(session_id)
+
+    def user_peer_name(self, user_id: str | None, session_id: str) -> str:
+        """The Honcho peer of a user (or, with no user, of the session alone)."""
+        if user_id:
+            return honcho_id(self.config.user_peer_prefix + user_id)
+        return honcho_id(f"{self.config.user_peer_prefix}session-{session_id}")
+
+    def unit(self, turn: Turn) -> Unit:
+        """The Honcho messages of one turn, each tagged with the turn's key and its index."""
+        honcho = sdk()
+        user_peer = self.user_peer_name(turn.user_id, turn.session_id)
+        created = dt.datetime.fromtimestamp(turn.accepted_at, tz=dt.timezone.utc)
+        step = self.config.max_message_chars
+        msgs: list[Msg] = []
+        for ordinal, (role, content, calls_json, call_id, tool_name) in enumerate(turn.messages):
+            parts = [content[i:i + step] for i in range(0, len(content), step)] or [""]
+            for p, part in enumerate(parts):
+                index = len(msgs)
+                md: dict[str, object] = {KEY_FIELD: turn.key, INDEX_FIELD: index, "role": role,
+                                         "ordinal": ordinal, USER_FIELD: user_peer}
+                if len(parts) > 1:
+                    md["part"], md["parts"] = p, len(parts)
+                if calls_json and p == 0:
+                    md["tool_calls"] = calls_json
+                if call_id:
+                    md["tool_call_id"] = call_id
+                if tool_name:
+                    md["tool_name"] = tool_name
+                params = honcho.MessageCreateParams(
+                    content=part, peer_id=user_peer if role == "user" else self.assistant,
+                    metadata=md, created_at=created)
+                msgs.append(Msg(turn.key, index, params))
+        return Unit(turn, msgs)

@@ -1,0 +1,357 @@
+"""Writing committed turns to Honcho: per session, in order, in batches, exactly once.
+
+``write(turns)`` groups the turns by session and keeps their order. A session's turns go out
+in ``add_messages`` calls of at most 100 messages (the server's limit; it answers 422 above
+it). Sessions run in parallel under a capacity limit. Calls to one session never overlap, also
+across concurrent ``write`` calls, which run in the order they were made.
+
+Exactly once. Each message carries its turn's idempotency key and its index within the turn
+in ``metadata`` (see ``mapping``). Before a batch whose outcome is unknown (a timeout, a
+connection dropped after sending, a 5xx) is sent again, the session's messages are listed with
+a metadata filter on those keys and only the missing ones are sent. (The server has no
+idempotency keys of its own, so a request still running on the server when the check runs can
+still land twice; the backoff before the check makes that window small, not empty.)
+
+Failures. A batch the server refuses (422, 400, 413) is split in halves until the refused turn
+is alone; the other turns are written, in order, and the turn fails with the server's reason.
+When a batch cannot be written after ``max_attempts``, it and the rest of its session's turns
+in that call fail (so nothing is written out of order). Either way ``write`` raises
+``HonchoWriteError`` naming each failed turn, why, whether retrying the same turn can help,
+and whether it was sent at all: the turns behind a failed batch, and those the open circuit
+held back, were not (``TurnFailure.attempted``), so their failure uses up none of their attempts.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import structlog
+
+from ...turns import Turn
+from ..base import TurnFailure
+from .breaker import CIRCUIT_OPEN
+from .client import (
+    CallFailed,
+    CallRetry,
+    CircuitOpenError,
+    HonchoClient,
+    HonchoWriteError,
+    sdk,
+)
+from .config import HonchoConfig
+from .mapping import INDEX_FIELD, KEY_FIELD, Mapper, Msg, Unit
+
+log = structlog.get_logger(__name__)
+
+# The server's rules (honcho src/schemas/api.py): MessageBatchCreate takes 1..100 messages;
+# fastapi-pagination pages hold at most 100 items.
+MAX_MESSAGES_PER_CALL = 100
+LIST_PAGE_SIZE = 100
+_KEYS_PER_LISTING = 50  # turn keys per metadata filter when checking what the server holds
+COUNTERS = ("turns_written", "turns_failed", "dedupe_checks", "resend_skipped", "bisections")
+
+
+@dataclass(slots=True)
+class _Lane:
+    session_id: str
+    turns: list[Turn]
+    after: anyio.Event | None  # the previous write of this session is done
+    done: anyio.Event
+
+
+@dataclass(slots=True)
+class _Outcome:
+    failures: list[TurnFailure] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)
+    written: int = 0
+
+    def fail(self, turns: Iterable[Turn], reason: str, *, permanent: bool,
+             attempted: bool = True) -> None:
+        for t in turns:
+            if t.key not in self.failed:
+                self.failed.add(t.key)
+                self.failures.append(
+                    TurnFailure(t.key, t.session_id, reason, permanent, attempted))
+
+
+class _LRU:
+    """A bounded map from a session id to the peers configured in it."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._data: OrderedDict[str, set[str]] = OrderedDict()
+
+    def get(self, key: str) -> set[str] | None:
+        value = self._data.get(key)
+        if value is not None:
+            self._data.move_to_end(key)
+        return value
+
+    def put(self, key: str, value: set[str]) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self._size:
+            self._data.popitem(last=False)
+
+
+class SessionWriter:
+    """Writes turns to Honcho through ``client``, per session in order (see the module doc)."""
+
+    def __init__(self, config: HonchoConfig, client: HonchoClient, mapper: Mapper) -> None:
+        self.config = config
+        self.client = client
+        self.mapper = mapper
+        self.counts: Counter[str] = Counter()
+        self._ready = False
+        self._ready_lock = anyio.Lock()
+        self._limiter = anyio.CapacityLimiter(config.write_concurrency)
+        self._lanes: dict[str, anyio.Event] = {}  # session -> the last write queued on it
+        self._sessions = _LRU(config.known_sessions)
+
+    async def write(self, turns: Sequence[Turn], *, maybe_sent: bool = False) -> None:
+        """See ``HonchoBackend.write``.
+
+        Raises:
+            CircuitOpenError: the circuit is open; nothing was sent.
+            HonchoWriteError: some turns were not written (``failures`` says which and why).
+            BackendError: the backend is closed, or honcho-ai is missing.
+        """
+        if not turns:
+            return
+        self.client.honcho()
+        started = time.perf_counter()
+        calls_before = sum(self.client.calls.values())
+        if self.client.breaker.is_open():
+            self.counts["turns_failed"] += len(turns)
+            raise CircuitOpenError(
+                [TurnFailure(t.key, t.session_id, CIRCUIT_OPEN, False, attempted=False)
+                 for t in turns], written=0)
+        groups: dict[str, list[Turn]] = {}
+        for t in turns:
+            groups.setdefault(t.session_id, []).append(t)
+        # Queue on each session's lane now, before any await: that fixes the order of
+        # concurrent writes of one session to the order of the calls.
+        lanes = []
+        for session_id, group in groups.items():
+            done = anyio.Event()
+            lanes.append(_Lane(session_id, group, self._lanes.get(session_id), done))
+            self._lanes[session_id] = done
+        outcome = _Outcome()
+        try:
+            async with anyio.create_task_group() as tg:
+                for lane in lanes:
+                    tg.start_soon(self._run_lane, lane, outcome, maybe_sent)
+        finally:
+            for lane in lanes:
+                lane.done.set()
+                if self._lanes.get(lane.session_id) is lane.done:
+                    del self._lanes[lane.session_id]
+        self.counts["turns_written"] += outcome.written
+        self.counts["turns_failed"] += len(outcome.failures)
+        fields = dict(turns=len(turns), sessions=len(groups),
+                      http_calls=sum(self.client.calls.values()) - calls_before,
+                      failed=len(outcome.failures),
+                      duration_ms=round((time.perf_counter() - started) * 1000, 1))
+        if outcome.failures:
+            log.warning("honcho_write", **fields)
+            raise HonchoWriteError(outcome.failures, written=outcome.written)
+        log.info("honcho_write", **fields)
+
+    async def _run_lane(self, lane: _Lane, outcome: _Outcome, maybe_sent: bool) -> None:
+        try:
+            if lane.after is not None:
+                await lane.after.wait()
+            async with self._limiter:
+                await self._write_session(lane.session_id, lane.turns, outcome, maybe_sent)
+        except Exception as exc:  # the per-job boundary: one session's bug fails its turns only
+            log.exception("honcho_write_bug", session=self.mapper.session_name(lane.session_id))
+            outcome.fail(lane.turns, f"unexpected error: {type(exc).__name__}: {exc}",
+                         permanent=False)
+        finally:
+            lane.done.set()
+
+    async def _write_session(self, session_id: str, turns: list[Turn], outcome: _Outcome,
+                             maybe_sent: bool) -> None:
+        honcho_sdk = sdk()
+        name = self.mapper.session_name(session_id)
+        session = honcho_sdk.Session(name, self.client.honcho())
+        units = [self.mapper.unit(t) for t in turns]
+        try:
+            await self._ensure_ready()
+            await self._ensure_session(session, {m.params.peer_id for u in units
+                                                 for m in u.msgs} - {self.mapper.assistant})
+            if maybe_sent:
+                units = await self._without_present(session, units)
+        except CallFailed as f:
+            # The set-up was for the session's first batch: only that batch was tried (when
+            # the call went out at all); the turns behind it were not.
+            head = [u.turn for u in next(iter(self._groups(units)), [])]
+            self._note_failure(name, turns, f)
+            outcome.fail(head, f.reason, permanent=f.permanent, attempted=f.sent)
+            outcome.fail(turns, f.reason, permanent=f.permanent, attempted=False)
+            return
+        outcome.written += sum(1 for u in units if not u.msgs)  # all on the server already
+        queue = deque(self._groups(units))
+        while queue:
+            group = queue.popleft()
+            try:
+                await self._send_group(session, group)
+            except CallFailed as f:
+                if f.bisect and len(group) > 1:
+                    self.counts["bisections"] += 1
+                    mid = len(group) // 2
+                    queue.extendleft([group[mid:], group[:mid]])  # the first half goes first
+                    continue
+                refused = [u.turn for u in group]
+                self._note_failure(name, refused, f)
+                outcome.fail(refused, f.reason, permanent=f.permanent, attempted=f.sent)
+                if f.bisect:
+                    continue  # the server refused this turn alone; the next ones still go
+                rest = [u.turn for g in queue for u in g]
+                # Unreachable: the session's later turns wait for the next write, in order.
+                outcome.fail(rest, f"not attempted after an earlier batch of this session "
+                             f"failed: {f.reason}", permanent=False, attempted=False)
+                return
+            outcome.written += len(group)
+
+    def _note_failure(self, session: str, turns: Sequence[Turn], f: CallFailed) -> None:
+        log.warning("honcho_batch_failed", session=session, turns=len(turns), reason=f.reason,
+                    permanent=f.permanent)
+
+    @staticmethod
+    def _groups(units: list[Unit]) -> list[list[Unit]]:
+        """Whole turns packed into calls of at most 100 messages (a longer turn alone)."""
+        groups: list[list[Unit]] = []
+        size = MAX_MESSAGES_PER_CALL + 1
+        for u in units:
+            n = len(u.msgs)
+            if not n:
+                continue
+            if size + n > MAX_MESSAGES_PER_CALL:
+                groups.append([])
+                size = 0
+            groups[-1].append(u)
+            size += n
+        return groups
+
+    async def _send_group(self, session: Any, group: list[Unit]) -> None:
+        msgs = [m for u in group for m in u.msgs]
+        for i in range(0, len(msgs), MAX_MESSAGES_PER_CALL):
+            try:
+                await self._send(session, msgs[i:i + MAX_MESSAGES_PER_CALL])
+            except CallFailed as f:
+                f.sent = f.sent or i > 0  # part of the group went out: the group was tried
+                raise
+
+    async def _send(self, session: Any, msgs: list[Msg]) -> None:
+        """One ``add_messages`` call, retried; a retry after an unknown outcome first asks
+        the server which of these messages it already holds.
+
+        Raises:
+            CallFailed: the batch was refused, or not written after max_attempts.
+        """
+        pending = msgs
+        unknown = False
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                if unknown:
+                    self.counts["dedupe_checks"] += 1
+                    present = await self._present(session, sorted({m.key for m in pending}))
+                    unknown = False
+                    before = len(pending)
+                    pending = [m for m in pending if (m.key, m.pos) not in present]
+                    self.counts["resend_skipped"] += before - len(pending)
+                    if not pending:
+                        return
+                batch = [m.params for m in pending]
+                await self.client.attempt(
+                    "add_messages", functools.partial(session.aio.add_messages, batch))
+                return
+            except CallRetry as r:
+                unknown = unknown or r.unknown
+                await self.client.pause("add_messages", attempt, r)
+            except CallFailed as f:
+                # An earlier attempt went out and failed: the batch was tried, even when this
+                # one was held back by the circuit that failure helped open.
+                f.sent = f.sent or attempt > 1
+                raise
+
+    async def _present(self, session: Any, keys: Sequence[str]) -> set[tuple[str, int]]:
+        """(turn key, index) of the session's messages that carry one of ``keys``.
+
+        Raises:
+            CallRetry, CallFailed: as ``HonchoClient.attempt``.
+        """
+        found: set[tuple[str, int]] = set()
+        for i in range(0, len(keys), _KEYS_PER_LISTING):
+            chunk = list(keys[i:i + _KEYS_PER_LISTING])
+            filters = {"metadata": {KEY_FIELD: {"in": chunk}}}
+            page = await self.client.attempt("list_messages", functools.partial(
+                session.aio.messages, filters=filters, size=LIST_PAGE_SIZE))
+            while page is not None:
+                for m in page.items:
+                    md = m.metadata or {}
+                    index = md.get(INDEX_FIELD)
+                    if isinstance(index, int):
+                        found.add((str(md.get(KEY_FIELD)), index))
+                if not page.has_next_page():
+                    break
+                page = await self.client.attempt("list_messages", page.get_next_page)
+        return found
+
+    async def _without_present(self, session: Any, units: list[Unit]) -> list[Unit]:
+        """The units with the messages the server already holds taken out (retried)."""
+        keys = sorted({u.turn.key for u in units})
+        present = await self.client.retrying("list_messages",
+                                       functools.partial(self._present, session, keys))
+        if not present:
+            return units
+        kept = []
+        for u in units:
+            msgs = [m for m in u.msgs if (m.key, m.pos) not in present]
+            self.counts["resend_skipped"] += len(u.msgs) - len(msgs)
+            kept.append(Unit(u.turn, msgs))
+        return kept
+
+    async def _ensure_ready(self) -> None:
+        """The workspace and the assistant peer exist (get-or-create, once per process)."""
+        if self._ready:
+            return
+        async with self._ready_lock:
+            if self._ready:
+                return
+            honcho = self.client.honcho()
+            # aio.peer() first gets-or-creates the workspace (once per client), then the peer.
+            await self.client.call("peer", lambda: honcho.aio.peer(self.mapper.assistant))
+            self._ready = True
+
+    async def _ensure_session(self, session: Any, users: set[str]) -> None:
+        """The session exists with its peers' observation settings (once per session)."""
+        if not self.config.configure_sessions:
+            return
+        known = self._sessions.get(session.id)
+        honcho_sdk = sdk()
+        c = self.config
+        user_config = honcho_sdk.api_types.SessionPeerConfig(
+            observe_me=c.user_observe_me, observe_others=c.user_observe_others)
+        new = sorted(users - known) if known is not None else sorted(users)
+        if known is None:
+            peers = [(u, user_config) for u in new]
+            peers.append((self.mapper.assistant, honcho_sdk.api_types.SessionPeerConfig(
+                observe_me=c.assistant_observe_me, observe_others=c.assistant_observe_others)))
+            honcho = self.client.honcho()
+            await self.client.call("session", lambda: honcho.aio.session(session.id, peers=peers))
+            self._sessions.put(session.id, {*new, self.mapper.assistant})
+        elif new:
+            added = [(u, user_config) for u in new]
+            await self.client.call("add_peers", lambda: session.aio.add_peers(added))
+            known.update(new)
+
