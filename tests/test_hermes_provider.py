@@ -10,7 +10,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -541,10 +540,12 @@ def test_a_resumed_session_has_its_recent_turns_before_its_first_reply(home: Pat
     again = HermesMemoryProvider()  # a new process would start just like this
     again.initialize("resume-me", hermes_home=str(home), platform="telegram", user_id="u1")
     try:
-        deadline = time.monotonic() + WAIT_S  # the warm-up runs on the loop thread: poll
-        while "PX-5521" not in again.prefetch("what was my parcel number"):
-            assert time.monotonic() < deadline, "the resumed session's turns never arrived"
-            time.sleep(0.01)
+        # The warm-up runs on the provider's loop thread: wait there for the pipeline's change.
+        runtime = again._runtime
+        assert runtime is not None
+        runtime.call(lambda mem: mem.wait_until(
+            lambda: "PX-5521" in again.prefetch("what was my parcel number"), timeout=WAIT_S),
+            WAIT_S + 5)
         assert "noted the parcel number" in again.prefetch("")
     finally:
         again.shutdown()

@@ -165,9 +165,7 @@ async def test_a_pipeline_feeds_the_histograms_of_its_observer(tmp_path: Path) -
             accept(observed, 30)
             await observed.flush()
             observed.queue_prefetch("invoices", session_id="s0", user_id="ada")
-            with anyio.fail_after(30):  # the recaller's progress has no event to await
-                while observed.stats().recalls_run == 0:  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+            await observed.wait_until(lambda: observed.stats().recalls_run > 0, timeout=30)
             values = await metrics(server.url)
         finally:
             await server.aclose()
