@@ -34,6 +34,7 @@ from ..errors import (
     HermesMemoryError,
     InvalidTurnError,
     PipelineClosedError,
+    describe,
 )
 from ..settings import Settings
 from . import config as _config
@@ -341,7 +342,9 @@ class HermesMemoryProvider(_ProviderBase):
         try:
             block = self.search(query, timeout_s=PRE_COMPRESS_TIMEOUT_S)
         except (HermesMemoryError, TimeoutError) as exc:
-            log.warning("hermes_pre_compress_recall_failed", error=str(exc))
+            # A timeout is expected under load; anything else is a fault worth its traceback.
+            log.warning("hermes_pre_compress_recall_failed", error=describe(exc),
+                        exc_info=None if isinstance(exc, TimeoutError) else exc)
             return ""
         if not block:
             return ""
