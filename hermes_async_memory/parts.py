@@ -250,7 +250,9 @@ def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
         commit_retries=w.retries, dead_letters=w.dead_letters,
         outbox_segments=c.segments, part_restarts=sum(parts.supervisor.restarts.values()),
         pending_turns=c.pending_turns, recovered_turns=rec.records,
-        pending_recalls=r.pending, recalls_in_flight=parts.local.in_flight,
+        pending_recalls=r.pending,
+        recalls_in_flight=parts.local.in_flight + (0 if parts.server is None
+                                                   else parts.server.waiting),
         warm_backlog=r.warm_backlog, warms_shed=r.warms_shed,
         sessions_warmed=r.sessions_warmed, quarantined_regions=c.quarantined_regions,
         quarantined_bytes=c.quarantined_bytes, inbox_turns=inbox_n,

@@ -21,6 +21,7 @@ import pytest
 
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.errors import LeaseLostError
+from hermes_async_memory.parts import RECALL_SERVER_CONCURRENCY
 from hermes_async_memory.store import Batch, SqliteStore
 from hermes_async_memory.turns import Turn, turn_messages
 
@@ -329,3 +330,28 @@ async def test_old_done_keys_of_inbox_turns_are_pruned_and_recent_ones_kept(db: 
         await store.aclose()
     assert count_rows(db, "SELECT count(*) FROM outbox WHERE key = 'new'") == 1
     assert count_rows(db, "SELECT count(*) FROM messages") == 4, "messages are never pruned"
+
+
+async def test_recall_requests_waiting_out_their_barrier_are_served_together_within_a_bound(
+    db: Path,
+) -> None:
+    """A turn another worker holds under a live claim is a barrier no request passes until
+    it gives up waiting (RECALL_BARRIER_S). Before, a worker served one request at a time:
+    twenty such requests took twenty barrier waits."""
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        await _handed_in(store, [_turn("held", "elsewhere")])
+        _set_lease(db, "held", "another-host:1:w", time.time() + 3600)
+        async with MemoryPipeline(shared(db, "worker")) as worker, \
+                MemoryPipeline(shared(db, "producer")) as producer:
+            for i in range(20):
+                producer.queue_prefetch(f"question {i}", session_id=f"s{i}", user_id="u")
+            await eventually(worker, lambda: worker.stats().recalls_served == 20,
+                             "every request answered")
+            server = worker._parts.server if worker._parts else None
+            assert server is not None
+            assert server.peak_in_flight == RECALL_SERVER_CONCURRENCY, "together, bounded"
+            assert server.errors == 0
+    finally:
+        await store.aclose()

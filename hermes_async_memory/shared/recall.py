@@ -77,41 +77,63 @@ class ResultsPoller:
 
 
 class RecallServer:
-    """A worker serves the producers' recall requests, several at once."""
+    """A worker serves the producers' recall requests, up to ``concurrency`` at once.
+
+    Requests are taken as slots free up, not in rounds: one request waiting out its barrier
+    (turns handed in before it, still uncommitted behind a write backlog) holds one slot,
+    never the requests behind it.
+    """
 
     def __init__(self, store: SqliteStore, recaller: LocalRecaller, *, poll_s: float,
                  concurrency: int) -> None:
         self._store = store
         self._recaller = recaller
         self._poll_s = poll_s
-        self._limiter = anyio.CapacityLimiter(concurrency)
+        self._slots = anyio.Semaphore(concurrency)
         self.served = 0
         self.errors = 0
+        self.in_flight = 0  # requests being served, their barrier waits included
+        self.peak_in_flight = 0
+        self.waiting = 0  # of those, the ones waiting out their barrier
 
     async def run(self) -> None:
-        while True:
-            requests = await self._store.take_recall_requests(REQUESTS_PER_ROUND)
-            if not requests:
-                await anyio.sleep(self._poll_s)  # another process's progress: poll it
-                continue
-            async with anyio.create_task_group() as tg:
-                for request in requests:
+        async with anyio.create_task_group() as tg:
+            while True:
+                await self._slots.acquire()
+                # This slot, and every other one free now: never more than can start at once.
+                free = 1 + self._slots.value
+                requests = await self._store.take_recall_requests(min(free, REQUESTS_PER_ROUND))
+                if not requests:
+                    self._slots.release()
+                    await anyio.sleep(self._poll_s)  # another process's progress: poll it
+                    continue
+                for i, request in enumerate(requests):
+                    if i:
+                        self._slots.acquire_nowait()  # free a moment ago, and only we take
                     tg.start_soon(self._serve, *request)
 
     async def _serve(self, session_id: str, user_id: str | None, query: str,
                      after_id: int) -> None:
-        async with self._limiter:
+        self.in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            # The turns handed in before the request first, as for a local recall.
+            self.waiting += 1
             try:
-                # The turns handed in before the request first, as for a local recall.
                 with anyio.move_on_after(RECALL_BARRIER_S):
                     while await self._store.inbox_holds(after_id):  # noqa: ASYNC110
                         await anyio.sleep(self._poll_s)
-                recalled: Recalled = await self._recaller.recall(query, user_id, session_id)
-                await self._store.put_recall_result(
-                    session_id, user_id, query, recalled.block, recalled.source,
-                    recalled.fallback)
-                self.served += 1
-            except Exception as exc:  # the per-request boundary: count, log, go on
-                self.errors += 1
-                log.warning("recall_serve_failed", session_id=session_id, error=describe(exc),
-                            exc_info=exc)
+            finally:
+                self.waiting -= 1
+            recalled: Recalled = await self._recaller.recall(query, user_id, session_id)
+            await self._store.put_recall_result(
+                session_id, user_id, query, recalled.block, recalled.source,
+                recalled.fallback)
+            self.served += 1
+        except Exception as exc:  # the per-request boundary: count, log, go on
+            self.errors += 1
+            log.warning("recall_serve_failed", session_id=session_id, error=describe(exc),
+                        exc_info=exc)
+        finally:
+            self.in_flight -= 1
+            self._slots.release()
