@@ -442,7 +442,7 @@ def _search(args: argparse.Namespace) -> int:
                             "or one session's memory")
     from .recall import match_expression
     from .recall import quote as quote_term
-    from .store import _SEARCH
+    from .store.messages import SEARCH as _SEARCH
     from .turns import scope_token_for
 
     settings = _settings(args)
