@@ -12,6 +12,17 @@ from ..turns import Turn
 from .connections import Connections
 from .sql import KEY_CHUNK
 
+# The messages of the turns given as a JSON list of [first id, end id, turn key]: one primary
+# key range search per turn (the CROSS JOIN keeps the list as the outer loop).
+_TURN_MESSAGES = """
+SELECT m.turn_key, m.session_id, m.user_id, m.timestamp, m.role, m.content, m.tool_calls,
+       m.tool_call_id, m.tool_name, m.metadata
+FROM json_each(?) AS r CROSS JOIN messages AS m
+WHERE m.id >= json_extract(r.value, '$[0]') AND m.id < json_extract(r.value, '$[1]')
+  AND m.turn_key = json_extract(r.value, '$[2]')
+ORDER BY m.id
+"""
+
 
 class ReplicaRow(NamedTuple):
     """A committed turn waiting for a replica backend."""
@@ -48,21 +59,18 @@ class ReplicaOutbox(Connections):
 
     async def replica_turns(self, rows: Sequence[ReplicaRow]) -> list[Turn]:
         """The committed turns behind replica rows, rebuilt from their messages, in order;
-        each turn's ``seq`` is its replica row."""
+        each turn's ``seq`` is its replica row. A turn whose messages are gone is left out."""
         if not rows:
             return []
-        lo = min(r.first_id for r in rows)
-        hi = max(r.first_id + r.n_messages for r in rows)
-        wanted = {r.turn_key for r in rows}
+        # Each row names its turn's messages by primary key (they were inserted together, so
+        # their ids are consecutive): a lookup per turn, never a scan of the turns between
+        # two sparse rows. The key must match too, in case those ids were reused since.
+        ranges = json.dumps([[r.first_id, r.first_id + r.n_messages, r.turn_key]
+                             for r in rows])
         by_key: dict[str, list[Any]] = {}
-        async with self.reader() as db, db.execute(
-            "SELECT turn_key, session_id, user_id, timestamp, role, content, tool_calls, "
-            "tool_call_id, tool_name, metadata FROM messages WHERE id >= ? AND id < ? "
-            "ORDER BY id", (lo, hi),
-        ) as cur:
+        async with self.reader() as db, db.execute(_TURN_MESSAGES, (ranges,)) as cur:
             async for m in cur:
-                if m[0] in wanted:
-                    by_key.setdefault(m[0], []).append(m)
+                by_key.setdefault(m[0], []).append(m)
         turns = []
         for n, r in enumerate(rows):
             if n % 200 == 199:
