@@ -5,11 +5,14 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import aiosqlite
 import anyio
 import pytest
+from structlog.testing import capture_logs
 
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.store import Batch, SqliteStore
+from hermes_async_memory.store.connections import rollback
 from hermes_async_memory.turns import Turn
 
 from .helpers import count_rows, stored_turns
@@ -132,3 +135,29 @@ async def test_replica_turns_rebuilds_exactly_the_turns_asked_for(tmp_path: Path
         assert await store.replica_turns([]) == []
     finally:
         await store.aclose()
+
+
+async def test_a_rollback_with_nothing_open_is_silent(tmp_path: Path) -> None:
+    # BEGIN failed (the file was locked, say): the error that says so is the caller's to
+    # raise; the ROLLBACK after it must neither raise nor log.
+    async with aiosqlite.connect(tmp_path / "m.db", isolation_level=None) as db:
+        with capture_logs() as logs:
+            await rollback(db)
+    assert logs == []
+
+
+async def test_a_rollback_that_leaves_a_transaction_open_is_logged_with_its_traceback(
+        tmp_path: Path) -> None:
+    class StuckRollback:
+        """A connection whose ROLLBACK fails inside an open transaction: a fault SQLite
+        does not let a test cause."""
+
+        in_transaction = True
+
+        async def execute(self, sql: str) -> None:
+            raise sqlite3.OperationalError(f"cannot {sql}")
+
+    with capture_logs() as logs:
+        await rollback(StuckRollback())  # type: ignore[arg-type]
+    assert [(e["event"], e["log_level"], e.get("exc_info")) for e in logs] == [
+        ("store_rollback_failed", "error", True)]

@@ -22,7 +22,15 @@ import anyio
 import structlog
 
 from ..errors import CorruptStoreError, DiskFullError, StoreAccessError, StoreError
-from ..faults import SQLITE_CORRUPT, SQLITE_FULL, SQLITE_NOTADB, sqlite_code
+from ..faults import (
+    SQLITE_CANTOPEN,
+    SQLITE_CORRUPT,
+    SQLITE_FULL,
+    SQLITE_NOTADB,
+    SQLITE_PERM,
+    SQLITE_READONLY,
+    sqlite_code,
+)
 from .schema import check_tables, migrate
 
 log = structlog.get_logger(__name__)
@@ -98,8 +106,9 @@ class Connections:
                 raise DiskFullError(f"no space left for the store {self.path}: {exc}") from exc
             if isinstance(exc, OSError):
                 raise _os_error(self.path, exc) from exc
-            if isinstance(exc, sqlite3.OperationalError) and any(
-                    t in str(exc) for t in ("readonly", "unable to open", "read-only")):
+            if code in (SQLITE_READONLY, SQLITE_CANTOPEN, SQLITE_PERM) or (
+                    code is None and isinstance(exc, sqlite3.OperationalError) and any(
+                        t in str(exc) for t in ("readonly", "unable to open", "read-only"))):
                 raise StoreAccessError(f"cannot write the store {self.path}: {exc}") from exc
             raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
         except BaseException:
@@ -117,9 +126,12 @@ class Connections:
             if readonly:
                 await conn.execute("PRAGMA query_only = 1")
         except BaseException:
-            # Its thread is not a daemon: left open, it would keep the process alive.
-            with contextlib.suppress(sqlite3.Error, ValueError):
+            # Its thread is not a daemon: left open, it would keep the process alive. The
+            # error that brought us here is the one raised; a failed close is only logged.
+            try:
                 await conn.close()
+            except (sqlite3.Error, ValueError):
+                log.warning("store_connect_cleanup_failed", db=str(self.path), exc_info=True)
             raise
         return conn
 
@@ -140,16 +152,19 @@ class Connections:
         self._all_readers, self._aux, self._writer = [], None, None
         open_conns = [c for c in conns if c is not None]
         for conn in open_conns:
+            # A running statement stops now. Best effort, safe to ignore: a connection whose
+            # sqlite3 handle is already gone (ValueError, ProgrammingError) runs nothing to
+            # stop, and the close below reports any real trouble with it.
             with contextlib.suppress(sqlite3.Error, ValueError):
-                await conn.interrupt()  # a running statement stops now
+                await conn.interrupt()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         for conn in open_conns:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             with anyio.move_on_after(left) as scope:
                 try:
                     await conn.close()
-                except (sqlite3.Error, ValueError) as exc:
-                    log.warning("store_close_failed", error=str(exc))
+                except (sqlite3.Error, ValueError):
+                    log.warning("store_close_failed", db=str(self.path), exc_info=True)
             if scope.cancelled_caught:
                 log.warning("store_close_abandoned", db=str(self.path),
                             detail="a statement is still running on its thread")
@@ -181,6 +196,25 @@ class Connections:
 
     async def _commit_transaction(self) -> None:
         await self.writer.execute("COMMIT")
+
+
+async def rollback(db: aiosqlite.Connection) -> None:
+    """Undo the open transaction while an error propagates. Raises nothing of its own: the
+    caller re-raises the error that brought it here, which must not be masked.
+
+    A ROLLBACK that fails with no transaction open is expected and says nothing (BEGIN itself
+    failed, or SQLite already rolled back after an I/O error or a full disk). One that leaves
+    a transaction open is not: it is logged with its traceback.
+    """
+    try:
+        await db.execute("ROLLBACK")
+    except (sqlite3.Error, ValueError):
+        try:
+            still_open = db.in_transaction
+        except ValueError:  # the connection is closed: nothing is open on it
+            still_open = False
+        if still_open:
+            log.error("store_rollback_failed", exc_info=True)
 
 
 def _check_folder(path: Path) -> None:

@@ -3,7 +3,6 @@ and replayed under their own keys."""
 
 from __future__ import annotations
 
-import contextlib
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from dataclasses import dataclass
 from ..errors import StoreError
 from ..turns import Turn
 from .batch import INSERT_MESSAGE_ROW, Batch
-from .connections import Connections
+from .connections import Connections, rollback
 
 _INSERT_DEAD = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, last_error, payload,
@@ -118,8 +117,7 @@ class DeadLetters(Connections):
             await self._commit_transaction()
             return None
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                await db.execute("ROLLBACK")
+            await rollback(db)
             raise
 
 

@@ -3,12 +3,10 @@ claims them under a lease and commits them."""
 
 from __future__ import annotations
 
-import contextlib
-import sqlite3
 from collections.abc import Sequence
 
 from .batch import Batch
-from .connections import Connections
+from .connections import Connections, rollback
 from .sql import KEY_CHUNK, sql_literal
 
 # A producer's batch: the turns' records as they are, unless a worker already committed them
@@ -55,8 +53,7 @@ class Inbox(Connections):
             await db.executescript("BEGIN IMMEDIATE;" + _FORWARD.format(rows=rows))
             await self._commit_transaction()
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                await db.execute("ROLLBACK")
+            await rollback(db)
             raise
 
     async def forward_refused(self, rows: Sequence[tuple[str, str, float, str, str]]) -> None:

@@ -3,7 +3,6 @@ search, a session's messages, its recent turns, its row)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sqlite3
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ import aiosqlite
 from ..errors import LeaseLostError
 from ..turns import Turn
 from .batch import INSERT_MESSAGE_ROW, INSERT_MESSAGES, Batch
-from .connections import Connections
+from .connections import Connections, rollback
 from .sql import KEY_CHUNK
 
 SEARCH = """
@@ -76,15 +75,13 @@ class Messages(Connections):
                 )
             await self._commit_transaction()
         except sqlite3.IntegrityError as exc:
-            with contextlib.suppress(sqlite3.Error):
-                await db.execute("ROLLBACK")
+            await rollback(db)
             if batch.inbox_ids and not await self._lease_holds(batch):
                 raise LeaseLostError(
                     f"the lease on {len(batch.inbox_ids)} inbox turns was taken over") from exc
             raise
         except BaseException:
-            with contextlib.suppress(sqlite3.Error):
-                await db.execute("ROLLBACK")
+            await rollback(db)
             raise
 
     async def _lease_holds(self, batch: Batch) -> bool:
