@@ -4,7 +4,8 @@
 they hold: ``connections`` (opening, pragmas, closing), ``schema`` (tables and migrations),
 ``batch`` (one group commit's statements), ``messages`` (messages and sessions), ``keys``
 (done keys), ``inbox`` (the shared inbox), ``recalls`` (recall requests and results),
-``replica`` (the replica outbox) and ``dead_letters``.
+``replica`` (the replica outbox) and ``dead_letters``; ``sql`` holds the helpers they share.
+``inspect.StoreReader`` reads a store file read-only and synchronously, for the admin CLI.
 """
 
 from __future__ import annotations

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..errors import StoreError
 from ..turns import Turn
 from .connections import Connections
 from .sql import KEY_CHUNK
@@ -124,3 +127,37 @@ class ReplicaOutbox(Connections):
         ) as cur:
             row = await cur.fetchone()
         return (int(row[0]), int(row[1])) if row else (0, 0)
+
+
+def requeue_dead_letters(path: Path, backend: str, keys: Sequence[str] | None = None, *,
+                         busy_timeout_ms: int = 10_000) -> int:
+    """Hand ``backend``'s dead letters (those of ``keys``, or all) back to its outbox in the
+    store file at ``path``; returns how many. The replicator of the pipeline running on the
+    store sends them, and with ``attempts = 1`` (not a first send) the backend first checks
+    what it already holds: a dead letter may have been sent before.
+
+    Synchronous, on a connection of its own, for the command line: its caller may be inside
+    an event loop of its own, and an operator waits for the write lock as long as a reader
+    would (``busy_timeout_ms``), not the pipeline's short per-statement wait.
+
+    Raises:
+        StoreError: the file cannot be written (the keys requeued before stay requeued).
+    """
+    sql = ("UPDATE replica_outbox SET status = 'pending', attempts = 1 "
+           "WHERE backend = ? AND status = 'dead'")
+    try:
+        conn = sqlite3.connect(path, timeout=busy_timeout_ms / 1000, isolation_level=None)
+        try:
+            if keys is None:
+                return conn.execute(sql, (backend,)).rowcount
+            requeued = 0
+            for i in range(0, len(keys), KEY_CHUNK):
+                chunk = list(keys[i : i + KEY_CHUNK])
+                requeued += conn.execute(
+                    f"{sql} AND turn_key IN ({','.join('?' * len(chunk))})", (backend, *chunk)
+                ).rowcount
+            return requeued
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot write {path}: {exc}") from exc
