@@ -5,11 +5,15 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import aiosqlite
 import anyio
 import pytest
+from structlog.testing import capture_logs
 
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.store import Batch, SqliteStore
+from hermes_async_memory.store.connections import rollback
+from hermes_async_memory.turns import Turn
 
 from .helpers import count_rows, stored_turns
 
@@ -91,3 +95,69 @@ async def test_opening_something_that_is_not_a_store_is_a_clear_error(tmp_path: 
             pass
     assert caught.value.path == bogus
     assert bogus.read_bytes() == b"this is not a database" * 100, "left as it was"
+
+
+def _replica_turn(i: int) -> Turn:
+    """Turn ``i``, in one of five sessions, with 1 to 3 messages (a tool call in every
+    third), so that turns differ in size and sessions interleave."""
+    messages: list[tuple[str, str, str | None, str | None, str | None]] = [
+        ("user", f"question {i}", None, None, None)]
+    if i % 3 == 0:
+        messages.append(("assistant", "", f'[{{"id": "c{i}", "name": "look"}}]', None, None))
+        messages.append(("tool", f"result {i}", None, f"c{i}", "look"))
+    elif i % 3 == 1:
+        messages.append(("assistant", f"answer {i}", None, None, None))
+    return Turn.build(key=f"k{i}", session_id=f"s{i % 5}", user_id=f"u{i % 2}",
+                      accepted_at=1_700_000_000.0 + i, messages=messages,
+                      metadata={"model": "m", "i": i} if i % 4 == 0 else None)
+
+
+async def test_replica_turns_rebuilds_exactly_the_turns_asked_for(tmp_path: Path) -> None:
+    """Invariant: every replica row asked for comes back as its whole turn (every message,
+    in order, with its metadata), in the order asked; no turn between them comes back."""
+    store = SqliteStore(tmp_path / "m.db")
+    store.replica = "b"
+    await store.open()
+    try:
+        committed = [_replica_turn(i) for i in range(300)]
+        for start in range(0, len(committed), 70):  # several batches
+            await store.commit(committed[start : start + 70])
+        rows = await store.replica_pending("b", sessions=5, limit=1000)
+        assert [r.turn_key for r in rows] == [t.key for t in committed]
+        # Sparse and across batches: rows far apart, with many pending turns between them.
+        wanted = [rows[i] for i in (0, 1, 57, 58, 140, 211, 299)]
+        turns = await store.replica_turns(wanted)
+        by_key = {t.key: t for t in committed}
+        assert [t.key for t in turns] == [r.turn_key for r in wanted]
+        for row, turn in zip(wanted, turns, strict=True):
+            assert turn.seq == row.id
+            assert turn.payload == by_key[row.turn_key].payload  # all messages, in order
+        assert await store.replica_turns([]) == []
+    finally:
+        await store.aclose()
+
+
+async def test_a_rollback_with_nothing_open_is_silent(tmp_path: Path) -> None:
+    # BEGIN failed (the file was locked, say): the error that says so is the caller's to
+    # raise; the ROLLBACK after it must neither raise nor log.
+    async with aiosqlite.connect(tmp_path / "m.db", isolation_level=None) as db:
+        with capture_logs() as logs:
+            await rollback(db)
+    assert logs == []
+
+
+async def test_a_rollback_that_leaves_a_transaction_open_is_logged_with_its_traceback(
+        tmp_path: Path) -> None:
+    class StuckRollback:
+        """A connection whose ROLLBACK fails inside an open transaction: a fault SQLite
+        does not let a test cause."""
+
+        in_transaction = True
+
+        async def execute(self, sql: str) -> None:
+            raise sqlite3.OperationalError(f"cannot {sql}")
+
+    with capture_logs() as logs:
+        await rollback(StuckRollback())  # type: ignore[arg-type]
+    assert [(e["event"], e["log_level"], e.get("exc_info")) for e in logs] == [
+        ("store_rollback_failed", "error", True)]

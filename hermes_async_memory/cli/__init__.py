@@ -1,7 +1,10 @@
 """The ``hermes-memory`` command.
 
     hermes-memory worker [--db PATH] [--deadline SECONDS] [--demo] [--log-format json|console]
-    hermes-memory status | search | sessions | dead-letters   (admin_cli)
+    hermes-memory status                                      (cli.status)
+    hermes-memory search                                      (cli.search)
+    hermes-memory sessions list | show | export               (cli.sessions)
+    hermes-memory dead-letters list | replay                  (cli.dead_letters)
     hermes-memory hermes install                              (hermes.install)
 
 Subcommands other than ``worker`` come from the modules in ``_COMMAND_MODULES``: each has a
@@ -18,7 +21,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from .errors import ConfigurationError, HermesMemoryError
+from ..errors import ConfigurationError, HermesMemoryError
 
 PROG = "hermes-memory"
 EXIT_FAILURE = 1
@@ -67,12 +70,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _worker(args: argparse.Namespace, rest: list[str]) -> int:
-    from .worker.main import main as worker_main
+    from ..worker.main import main as worker_main
 
     return worker_main(rest, prog=f"{PROG} worker")
 
 
-_COMMAND_MODULES = ("hermes_async_memory.admin_cli", "hermes_async_memory.hermes.install")
+_COMMAND_MODULES = (
+    "hermes_async_memory.cli.status",
+    "hermes_async_memory.cli.search",
+    "hermes_async_memory.cli.sessions",
+    "hermes_async_memory.cli.dead_letters",
+    "hermes_async_memory.hermes.install",
+)
 # Commands that hand their remaining arguments to a parser of their own.
 _FORWARDING = frozenset({"worker"})
 
@@ -92,7 +101,3 @@ def exit_code(exc: SystemExit) -> int:
         return exc.code
     print(exc.code, file=sys.stderr)
     return EXIT_FAILURE
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

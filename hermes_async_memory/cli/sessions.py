@@ -1,0 +1,195 @@
+"""``hermes-memory sessions list | show | export``: the stored sessions and their messages.
+
+    hermes-memory sessions list [--user U] [--limit N] [--json]
+    hermes-memory sessions show ID [--json]
+    hermes-memory sessions export [--output FILE|-] [--user U] [--session S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+from ..errors import ConfigurationError
+from ..extras import require
+from . import PROG
+from .common import (
+    EXIT_OK,
+    db_option,
+    guarded,
+    json_option,
+    open_reader,
+    positive_int,
+    print_json,
+    settings_of,
+    store_error,
+    table,
+    when,
+)
+
+DEFAULT_LIST_LIMIT = 50
+
+
+def register(commands: Any) -> None:
+    """Add ``sessions`` and its actions to ``commands`` (argparse sub-parsers)."""
+    db, as_json = db_option(), json_option()
+    sessions = commands.add_parser(
+        "sessions", help="list, show or export sessions",
+        description="List, show or export the stored sessions.",
+    ).add_subparsers(dest="sessions_command", metavar="ACTION", required=True)
+    listing = sessions.add_parser(
+        "list", parents=[db, as_json], help="the newest sessions",
+        description="List sessions, newest first.",
+    )
+    listing.add_argument("--user", metavar="U", help="only this user's sessions")
+    listing.add_argument("--limit", type=positive_int, default=DEFAULT_LIST_LIMIT, metavar="N",
+                         help=f"sessions at most (default {DEFAULT_LIST_LIMIT})")
+    listing.set_defaults(handler=guarded(_sessions_list))
+    show = sessions.add_parser(
+        "show", parents=[db, as_json], help="one session and its messages",
+        description="Show one session and its messages, in order.",
+    )
+    show.add_argument("session_id", metavar="ID")
+    show.set_defaults(handler=guarded(_sessions_show))
+    export = sessions.add_parser(
+        "export", parents=[db], help="sessions with their messages, as JSON lines",
+        description="Write one JSON line per session: the session's row and its messages "
+                    "in order. Streams, from one consistent snapshot of the store.",
+    )
+    export.add_argument("--output", "-o", default="-", metavar="FILE",
+                        help="where to write (default -, standard output)")
+    export.add_argument("--user", metavar="U", help="only this user's sessions")
+    export.add_argument("--session", metavar="S", help="only this session")
+    export.set_defaults(handler=guarded(_sessions_export))
+
+
+def _sessions_list(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    with open_reader(settings) as reader:
+        sessions = reader.sessions(user=args.user, limit=args.limit)
+    if args.json:
+        print_json(sessions)
+    elif not sessions:
+        print(f"no sessions for user {args.user}" if args.user else "no sessions")
+    else:
+        table(["SESSION", "USER", "MESSAGES", "STARTED", "UPDATED"],
+              [[s["id"], s["user_id"] or "-", str(s["message_count"]), when(s["started_at"]),
+                when(s["updated_at"])] for s in sessions])
+    return EXIT_OK
+
+
+def _sessions_show(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    with open_reader(settings) as reader, reader.snapshot():
+        session = reader.session(args.session_id)
+        if session is None:
+            raise store_error(f"no session {args.session_id!r} in {settings.db_path}")
+        messages = reader.messages(args.session_id)
+    if args.json:
+        print_json({**session, "messages": messages})
+        return EXIT_OK
+    fields = [("session", session["id"]), ("user", session["user_id"] or "-"),
+              ("source", session["source"]), ("model", session["model"] or "-"),
+              ("parent", session["parent_session_id"] or "-"),
+              ("started", when(session["started_at"])),
+              ("updated", when(session["updated_at"])),
+              ("messages", f"{session['message_count']} ({session['tool_call_count']} tool "
+                           f"calls; tokens {session['input_tokens']} in, "
+                           f"{session['output_tokens']} out)")]
+    for name, value in fields:
+        print(f"{name.ljust(8)}  {value}")
+    for m in messages:
+        name = f" {m['tool_name']}" if m["tool_name"] else ""
+        print(f"\n[{when(m['timestamp'])}] {m['role']}{name}:")
+        for line in (m["content"] or "").splitlines() or [""]:
+            print(f"  {line}")
+        if m["tool_calls"]:
+            print(f"  tool calls: {json.dumps(m['tool_calls'], ensure_ascii=False)}")
+    return EXIT_OK
+
+
+def _sessions_export(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    to_stdout = args.output == "-"
+    # One snapshot: the export is consistent however long it takes.
+    with open_reader(settings) as reader, reader.snapshot():
+        total = reader.count_sessions(user=args.user, session=args.session)
+        if args.session and total == 0:
+            raise store_error(f"no session {args.session!r} in {settings.db_path}"
+                              + (f" for user {args.user!r}" if args.user else ""))
+        show_progress = sys.stderr.isatty() and not (to_stdout and sys.stdout.isatty())
+        with _output(args.output) as write, _progress(total, show_progress) as advance:
+            n_messages = 0
+            for session, messages in reader.iter_sessions(user=args.user,
+                                                          session=args.session):
+                n_messages += len(messages)
+                write(json.dumps({**session, "messages": messages}, ensure_ascii=False) + "\n")
+                advance()
+    if not to_stdout:
+        print(f"exported {total} sessions ({n_messages} messages) to {args.output}")
+    return EXIT_OK
+
+
+@contextmanager
+def _output(target: str) -> Iterator[Callable[[str], None]]:
+    """A line writer to stdout, or to a file that appears whole or not at all."""
+    if target == "-":
+        sys.stdout.flush()
+        stream: IO[bytes] | None = getattr(sys.stdout, "buffer", None)
+        if stream is None:
+            yield _text_writer(sys.stdout)
+        else:
+            yield _utf8_writer(stream)
+            stream.flush()
+        return
+    path = Path(target)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with open(partial, "wb") as f:
+            yield _utf8_writer(f)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _utf8_writer(stream: IO[bytes]) -> Callable[[str], None]:
+    def write(line: str) -> None:
+        # backslashreplace: a lone surrogate (which the store never holds) would become its
+        # JSON escape, inside a string, instead of an error halfway through the export.
+        stream.write(line.encode("utf-8", "backslashreplace"))
+
+    return write
+
+
+def _text_writer(stream: IO[str]) -> Callable[[str], None]:
+    def write(line: str) -> None:
+        stream.write(line)
+
+    return write
+
+
+@contextmanager
+def _progress(total: int, show: bool) -> Iterator[Callable[[], None]]:
+    """An ``advance()`` that moves a progress bar on stderr, or does nothing."""
+    if not show:
+        yield lambda: None
+        return
+    try:
+        console = require("rich.console", "cli", "the export progress bar")
+        bar = require("rich.progress", "cli", "the export progress bar")
+    except ConfigurationError as exc:  # the export itself needs no extra: go on without
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        yield lambda: None
+        return
+    with bar.Progress(
+        bar.TextColumn("exporting sessions"), bar.BarColumn(), bar.MofNCompleteColumn(),
+        bar.TimeRemainingColumn(), console=console.Console(file=sys.stderr), transient=True,
+    ) as progress:
+        task = progress.add_task("export", total=total)
+        yield lambda: progress.advance(task)

@@ -1,0 +1,136 @@
+"""``hermes-memory status [--json]``: the store's counts, the outbox depth, the lag and the
+dead letters."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .common import (
+    EXIT_OK,
+    age,
+    db_option,
+    guarded,
+    json_option,
+    open_reader,
+    print_json,
+    settings_of,
+)
+
+if TYPE_CHECKING:
+    from ..outbox import RecordSummary
+    from ..settings import Settings
+
+
+def register(commands: Any) -> None:
+    """Add ``status`` to ``commands`` (argparse sub-parsers)."""
+    status = commands.add_parser(
+        "status", parents=[db_option(), json_option()],
+        help="counts, outbox depth, lag and dead letters",
+        description="Show the store's counts, the turns accepted but not committed yet (the "
+                    "outbox depth), the age of the oldest of them, and the dead letters. "
+                    "Reads only; works while a worker runs on the file.",
+    )
+    status.set_defaults(handler=guarded(_status))
+
+
+def _outbox_dirs(settings: Settings) -> list[Path]:
+    """The outbox folders beside the store: the pipeline's, and any producer slots'."""
+    main = settings.outbox_dir
+    found = [main] if main.is_dir() else []
+    found += sorted(p for p in main.parent.glob(main.name + "-p*")
+                    if p.is_dir() and p.name[len(main.name) + 2:].isdigit())
+    return found
+
+
+def _scan_outbox(settings: Settings) -> tuple[list[Path], list[RecordSummary]]:
+    """The segment files and every intact record in the outbox folders, read-only and
+    without their locks.
+
+    Raises:
+        OSError: a folder or segment cannot be read (permissions).
+    """
+    from ..outbox import inspect
+
+    segments: list[Path] = []
+    records: list[RecordSummary] = []
+    for directory in _outbox_dirs(settings):
+        found_segments, found_records = inspect(directory)
+        segments += found_segments
+        records += found_records
+    return segments, records
+
+
+def _status(args: argparse.Namespace) -> int:
+    settings = settings_of(args)
+    report: dict[str, Any] = {"db": str(settings.db_path)}
+    with open_reader(settings) as reader:
+        # The segments first, the store second: a turn committed in between then counts as
+        # committed, never as both or neither.
+        scan: tuple[list[Path], list[RecordSummary]] | None
+        try:
+            scan = _scan_outbox(settings)
+            outbox_error = None
+        except OSError as exc:
+            scan, outbox_error = None, f"cannot read the outbox: {exc}"
+        keys = [r.key for r in scan[1] if r.key is not None] if scan else []
+        counts = reader.status(keys)
+    now = time.time()
+    pending: list[RecordSummary] = []
+    if scan is not None:
+        # A segment file is deleted only once all its turns are settled; one gone since the
+        # scan may have had its done keys pruned meanwhile, so it counts as settled.
+        live = {p for p in scan[0] if p.exists()}
+        pending = [r for r in scan[1]
+                   if r.segment in live and (r.key is None or r.key not in counts.settled_keys)]
+    accepted = [r.accepted_at for r in pending if r.accepted_at is not None]
+    if counts.inbox_oldest is not None:
+        accepted.append(counts.inbox_oldest)
+    report.update(
+        messages=counts.messages,
+        sessions=counts.sessions,
+        outbox_pending_turns=None if scan is None else len(pending) + counts.inbox_turns,
+        outbox_segment_files=None if scan is None else len(scan[0]),
+        inbox_turns=counts.inbox_turns,
+        outbox_unreadable_records=sum(r.key is None for r in pending),
+        outbox_error=outbox_error,
+        lag_s=round(max(0.0, now - min(accepted)), 3) if accepted else None,
+        dead_letters=counts.outbox_table.get("dead", 0),
+        outbox_table=counts.outbox_table,
+        replicas=counts.replicas,
+    )
+    if args.json:
+        print_json(report)
+        return EXIT_OK
+    _print_status(report)
+    return EXIT_OK
+
+
+def _print_status(r: dict[str, Any]) -> None:
+    rows = [("store", r["db"]), ("messages", str(r["messages"])),
+            ("sessions", str(r["sessions"]))]
+    table = ", ".join(f"{k} {v}" for k, v in sorted(r["outbox_table"].items())) or "empty"
+    if r["outbox_pending_turns"] is None:
+        rows.append(("outbox", f"unknown ({r['outbox_error']}); the outbox table holds "
+                               f"{table}"))
+    else:
+        files = r["outbox_segment_files"]
+        line = (f"{r['outbox_pending_turns']} turns accepted, not committed yet "
+                f"({files} segment file{'' if files == 1 else 's'})")
+        if r["inbox_turns"]:
+            line += f"; {r['inbox_turns']} of them handed in to the shared inbox"
+        if r["outbox_unreadable_records"]:
+            line += f"; {r['outbox_unreadable_records']} records do not decode"
+        rows.append(("outbox", line))
+    rows.append(("lag", "-" if r["lag_s"] is None
+                 else f"{age(r['lag_s'])} (the oldest turn not committed yet)"))
+    rows.append(("dead letters", str(r["dead_letters"])))
+    rows.append(("outbox table", table))
+    for backend, counts in r["replicas"].items():
+        rows.append((f"replica {backend}", f"{counts['pending']} turns to send, "
+                                           f"{counts['dead']} dead letters"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name.ljust(width)}  {value}")

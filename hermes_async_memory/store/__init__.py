@@ -1,0 +1,44 @@
+"""The embedded SQLite store: the only place with SQL.
+
+``SqliteStore`` is the one class the library uses. Its parts, one module each, are the data
+they hold: ``connections`` (opening, pragmas, closing), ``schema`` (tables and migrations),
+``batch`` (one group commit's statements), ``messages`` (messages and sessions), ``keys``
+(done keys), ``inbox`` (the shared inbox), ``recalls`` (recall requests and results),
+``replica`` (the replica outbox) and ``dead_letters``; ``sql`` holds the helpers they share.
+``inspect.StoreReader`` reads a store file read-only and synchronously, for the admin CLI.
+"""
+
+from __future__ import annotations
+
+from .batch import Batch
+from .connections import STATEMENT_BUSY_MS
+from .dead_letters import DeadLetter, DeadLetters
+from .inbox import Inbox
+from .keys import DoneKeys
+from .messages import Hit, Messages
+from .recalls import Recalls
+from .replica import ReplicaOutbox, ReplicaRow
+from .schema import SCHEMA, SCHEMA_VERSION
+from .sql import sql_literal
+
+
+class SqliteStore(Messages, DoneKeys, Inbox, Recalls, ReplicaOutbox, DeadLetters):
+    """The system of record. ``open()`` before use, ``aclose()`` after.
+
+    One class over the parts, each a table's reads and writes on the connections they
+    share (``Connections``): the library holds one object, and the parts share its settings
+    (``source``, ``replica``, the clock) and the writer's transaction hook.
+    """
+
+
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "STATEMENT_BUSY_MS",
+    "Batch",
+    "DeadLetter",
+    "Hit",
+    "ReplicaRow",
+    "SqliteStore",
+    "sql_literal",
+]

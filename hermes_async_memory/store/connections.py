@@ -1,0 +1,234 @@
+"""The store's connections: opening the file (mode 0600, pragmas, typed errors), one writer
+for the batches, an auxiliary writer for small writes beside them, a pool of readers, and a
+close that keeps its deadline.
+
+Every await on aiosqlite is a hop to its connection thread: callers send a batch as a
+handful of statements, never one await per row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiosqlite
+import anyio
+import structlog
+
+from ..errors import CorruptStoreError, DiskFullError, StoreAccessError, StoreError
+from ..faults import (
+    SQLITE_CANTOPEN,
+    SQLITE_CORRUPT,
+    SQLITE_FULL,
+    SQLITE_NOTADB,
+    SQLITE_PERM,
+    SQLITE_READONLY,
+    sqlite_code,
+)
+from .schema import check_tables, migrate
+
+log = structlog.get_logger(__name__)
+
+# The pipeline's writing connections wait this long for the write lock per statement, then
+# the pipeline retries with backoff itself: SQLite's interrupt() does not break a busy wait,
+# so a long busy timeout would hold every shutdown deadline hostage.
+STATEMENT_BUSY_MS = 100
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class Connections:
+    """The connections to one store file, and the settings every part of the store shares.
+    ``open()`` before use, ``aclose()`` after."""
+
+    def __init__(self, path: Path, *, readers: int = 2, busy_timeout_ms: int = 10_000,
+                 source: str = "api", statement_busy_ms: int = STATEMENT_BUSY_MS,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.path = Path(path)
+        self._readers_n = readers
+        self._busy_timeout_ms = busy_timeout_ms
+        self._statement_busy_ms = min(statement_busy_ms, busy_timeout_ms)
+        self.now = wall_clock
+        self.source = source
+        self._writer: aiosqlite.Connection | None = None
+        # Small autocommit writes beside the writer's batches (recall requests and results),
+        # so they never land inside a batch's open transaction.
+        self._aux: aiosqlite.Connection | None = None
+        self._aux_lock = asyncio.Lock()
+        self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
+        self._all_readers: list[aiosqlite.Connection] = []
+        self.frequent_terms: frozenset[str] = frozenset()
+        # The replica backend whose outbox each commit fills (None: no backend).
+        self.replica: str | None = None
+
+    # -- life cycle --------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create or open the file (mode 0600) and its schema.
+
+        Raises:
+            StoreError: the file cannot be opened or is not a store of ours.
+        """
+        try:
+            _check_folder(self.path)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_dir():
+                raise StoreAccessError(f"cannot use the store {self.path}: it is a directory")
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                head = os.read(fd, len(_SQLITE_MAGIC))
+            finally:
+                os.close(fd)
+            if head and not _SQLITE_MAGIC.startswith(head[: len(_SQLITE_MAGIC)]):
+                raise CorruptStoreError(self.path, "the file is not a SQLite database")
+            os.chmod(self.path, 0o600)
+        except OSError as exc:
+            raise _os_error(self.path, exc) from exc
+        try:
+            self._writer = await self._connect(busy_ms=self._statement_busy_ms)
+            await migrate(self._writer, self.path)
+            for _ in range(self._readers_n):
+                conn = await self._connect(readonly=True)
+                self._all_readers.append(conn)
+                self._readers.put_nowait(conn)
+            await check_tables(self._writer)
+        except (sqlite3.Error, OSError) as exc:
+            await self.aclose()
+            code = sqlite_code(exc)
+            if code in (SQLITE_CORRUPT, SQLITE_NOTADB):
+                raise CorruptStoreError(self.path, str(exc)) from exc
+            if code == SQLITE_FULL:
+                raise DiskFullError(f"no space left for the store {self.path}: {exc}") from exc
+            if isinstance(exc, OSError):
+                raise _os_error(self.path, exc) from exc
+            if code in (SQLITE_READONLY, SQLITE_CANTOPEN, SQLITE_PERM) or (
+                    code is None and isinstance(exc, sqlite3.OperationalError) and any(
+                        t in str(exc) for t in ("readonly", "unable to open", "read-only"))):
+                raise StoreAccessError(f"cannot write the store {self.path}: {exc}") from exc
+            raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _connect(self, *, readonly: bool = False, busy_ms: int | None = None
+                       ) -> aiosqlite.Connection:
+        conn = await aiosqlite.connect(self.path, isolation_level=None)
+        try:
+            busy = self._busy_timeout_ms if busy_ms is None else busy_ms
+            await conn.execute(f"PRAGMA busy_timeout = {int(busy)}")
+            await conn.execute("PRAGMA journal_mode = WAL")
+            await conn.execute("PRAGMA synchronous = NORMAL")
+            if readonly:
+                await conn.execute("PRAGMA query_only = 1")
+        except BaseException:
+            # Its thread is not a daemon: left open, it would keep the process alive. The
+            # error that brought us here is the one raised; a failed close is only logged.
+            try:
+                await conn.close()
+            except (sqlite3.Error, ValueError):
+                log.warning("store_connect_cleanup_failed", db=str(self.path), exc_info=True)
+            raise
+        return conn
+
+    async def checkpoint(self) -> None:
+        """Copy the WAL into the database and truncate it: gives back the space the WAL grew
+        to (after a full disk, say)."""
+        await self.writer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+
+    async def aclose(self, timeout_s: float | None = None) -> None:
+        """Stop what runs (``interrupt``), close readers, then the writers, within
+        ``timeout_s`` in all. Idempotent.
+
+        A connection whose close does not finish in time is left to finish on its own
+        thread (it ends once the statement it is in does; a busy wait lasts at most
+        ``statement_busy_ms``).
+        """
+        conns = [*reversed(self._all_readers), self._aux, self._writer]
+        self._all_readers, self._aux, self._writer = [], None, None
+        open_conns = [c for c in conns if c is not None]
+        for conn in open_conns:
+            # A running statement stops now. Best effort, safe to ignore: a connection whose
+            # sqlite3 handle is already gone (ValueError, ProgrammingError) runs nothing to
+            # stop, and the close below reports any real trouble with it.
+            with contextlib.suppress(sqlite3.Error, ValueError):
+                await conn.interrupt()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for conn in open_conns:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            with anyio.move_on_after(left) as scope:
+                try:
+                    await conn.close()
+                except (sqlite3.Error, ValueError):
+                    log.warning("store_close_failed", db=str(self.path), exc_info=True)
+            if scope.cancelled_caught:
+                log.warning("store_close_abandoned", db=str(self.path),
+                            detail="a statement is still running on its thread")
+
+    async def aux(self) -> aiosqlite.Connection:
+        """The connection for small writes outside the writer's batches (opened on first use)."""
+        if self._writer is None:
+            raise StoreError("the store is not open")
+        async with self._aux_lock:  # two first callers must not open two connections
+            if self._aux is None:
+                self._aux = await self._connect(busy_ms=self._statement_busy_ms)
+        return self._aux
+
+    @property
+    def writer(self) -> aiosqlite.Connection:
+        if self._writer is None:
+            raise StoreError("the store is not open")
+        return self._writer
+
+    @contextlib.asynccontextmanager
+    async def reader(self) -> AsyncIterator[aiosqlite.Connection]:
+        if not self._all_readers:
+            raise StoreError("the store is not open")
+        conn = await self._readers.get()
+        try:
+            yield conn
+        finally:
+            self._readers.put_nowait(conn)
+
+    async def _commit_transaction(self) -> None:
+        await self.writer.execute("COMMIT")
+
+
+async def rollback(db: aiosqlite.Connection) -> None:
+    """Undo the open transaction while an error propagates. Raises nothing of its own: the
+    caller re-raises the error that brought it here, which must not be masked.
+
+    A ROLLBACK that fails with no transaction open is expected and says nothing (BEGIN itself
+    failed, or SQLite already rolled back after an I/O error or a full disk). One that leaves
+    a transaction open is not: it is logged with its traceback.
+    """
+    try:
+        await db.execute("ROLLBACK")
+    except (sqlite3.Error, ValueError):
+        try:
+            still_open = db.in_transaction
+        except ValueError:  # the connection is closed: nothing is open on it
+            still_open = False
+        if still_open:
+            log.error("store_rollback_failed", exc_info=True)
+
+
+def _check_folder(path: Path) -> None:
+    """Raises StoreAccessError when the nearest existing folder above ``path`` is a file."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise StoreAccessError(
+                    f"cannot use the store {path}: {parent} is not a directory")
+            return
+
+
+def _os_error(path: Path, exc: OSError) -> StoreError:
+    """The typed error for a file-system failure at open."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"no space left for the store {path}: {exc.strerror}")
+    return StoreAccessError(f"cannot use the store {path}: {exc.strerror or exc}")

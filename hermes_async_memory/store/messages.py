@@ -1,0 +1,171 @@
+"""Messages and sessions: the group commit that stores them, and the reads of them (FTS5
+search, a session's messages, its recent turns, its row)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiosqlite
+
+from ..errors import LeaseLostError
+from ..turns import Turn
+from .batch import INSERT_MESSAGE_ROW, INSERT_MESSAGES, Batch
+from .connections import Connections, rollback
+from .sql import KEY_CHUNK
+
+SEARCH = """
+SELECT m.id, m.session_id, m.role, m.timestamp,
+       snippet(messages_fts, 0, '', '', '…', ?) AS snip
+FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid
+WHERE messages_fts MATCH ?
+ORDER BY rank
+LIMIT ?
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """One recalled message."""
+
+    message_id: int
+    session_id: str
+    role: str
+    timestamp: float
+    snippet: str
+
+
+class Messages(Connections):
+    """Writes and reads of the messages, their index and the sessions."""
+
+    async def commit(self, turns: Sequence[Turn]) -> None:
+        """Store ``turns`` in one transaction (see ``commit_batch``)."""
+        await self.commit_batch(Batch.of(turns, self.source))
+
+    async def commit_batch(self, batch: Batch) -> None:
+        """Store a batch in one transaction: messages, their index, and outbox rows 'done'.
+
+        The statements go to SQLite as one script, so the writer thread hands the GIL back
+        and forth a few times per batch, not once per statement and row: each hand-back can
+        wait out the interpreter's switch interval while the event loop is busy. Values are
+        inlined as SQL literals; the turns' JSON needs no escaping, as payloads write ' as
+        \\u0027.
+
+        Raises:
+            sqlite3.Error: the transaction failed and was rolled back; nothing was stored.
+        """
+        db = self.writer
+        script = batch.statements(replica=self.replica, now=self.now())
+        script += batch.lease_statements()
+        try:
+            if batch.has_nul:  # rare: bind the rows one by one, NUL and all
+                await db.execute("BEGIN IMMEDIATE")
+                await db.executemany(INSERT_MESSAGE_ROW, batch.message_rows())
+                # Statement by statement: executescript would first commit the open
+                # transaction.
+                for statement in script:
+                    await db.execute(statement)
+            else:
+                head, tail = INSERT_MESSAGES.split("{turns}")
+                await db.executescript(
+                    "".join(["BEGIN IMMEDIATE;", head, *batch.literal_parts(), tail, *script])
+                )
+            await self._commit_transaction()
+        except sqlite3.IntegrityError as exc:
+            await rollback(db)
+            if batch.inbox_ids and not await self._lease_holds(batch):
+                raise LeaseLostError(
+                    f"the lease on {len(batch.inbox_ids)} inbox turns was taken over") from exc
+            raise
+        except BaseException:
+            await rollback(db)
+            raise
+
+    async def _lease_holds(self, batch: Batch) -> bool:
+        """Whether ``batch.lease_owner`` still holds every one of its inbox turns."""
+        ids = [int(i) for i in batch.inbox_ids]
+        held = 0
+        for i in range(0, len(ids), KEY_CHUNK):
+            chunk = ids[i : i + KEY_CHUNK]
+            async with self.writer.execute(
+                f"SELECT count(*) FROM inbox WHERE id IN ({','.join('?' * len(chunk))}) "
+                "AND lease_owner = ?", (*chunk, batch.lease_owner),
+            ) as cur:
+                row = await cur.fetchone()
+            held += int(row[0]) if row else 0
+        return held == len(ids)
+
+    async def search(self, match: str, *, limit: int, snippet_tokens: int) -> list[Hit]:
+        """Run one FTS5 MATCH expression (already quoted and scoped by the caller)."""
+        async with self.reader() as db, db.execute(SEARCH, (snippet_tokens, match, limit)) as cur:
+            rows = await cur.fetchall()
+        return [Hit(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+    async def refresh_frequent_terms(self, min_rows: int, ratio: float = 0.0) -> frozenset[str]:
+        """Terms in more than ``max(min_rows, ratio * messages)`` messages: too common to
+        rank on. A scan of the whole vocabulary (~0.5 s at 1M messages), on a reader."""
+        async with self.reader() as db:
+            async with db.execute("SELECT coalesce(max(id), 0) FROM messages") as cur:
+                row = await cur.fetchone()
+            threshold = max(min_rows, int(ratio * (row[0] if row else 0)))
+            async with db.execute(
+                "SELECT term FROM messages_vocab WHERE col = 'content' AND doc > ?", (threshold,)
+            ) as cur:
+                rows = await cur.fetchall()
+        self.frequent_terms = frozenset(r[0] for r in rows)
+        return self.frequent_terms
+
+    async def get_messages(self, session_id: str) -> list[dict[str, Any]]:
+        """A session's messages in order, as seed 001's ``get_messages``."""
+        async with self.reader() as db:
+            db.row_factory = aiosqlite.Row
+            try:
+                async with db.execute(
+                    "SELECT id, session_id, turn_key, role, content, tool_calls, tool_call_id, "
+                    "tool_name, timestamp, user_id, metadata FROM messages "
+                    "WHERE session_id = ? ORDER BY id",
+                    (session_id,),
+                ) as cur:
+                    rows = await cur.fetchall()
+            finally:
+                db.row_factory = None
+        out = []
+        for r in rows:
+            msg = dict(r)
+            for name in ("tool_calls", "metadata"):
+                if msg[name]:
+                    msg[name] = json.loads(msg[name])
+            out.append(msg)
+        return out
+
+    async def recent_turns(self, session_id: str, n: int
+                           ) -> list[tuple[str, str | None, str, str]]:
+        """The session's last ``n`` stored turns, oldest first:
+        (turn key, user id, first user text, last non-empty assistant text)."""
+        async with self.reader() as db, db.execute(
+            "SELECT turn_key, user_id, role, content FROM messages WHERE session_id = ? AND "
+            "turn_key IN (SELECT turn_key FROM messages WHERE session_id = ? AND ordinal = 0 "
+            "ORDER BY id DESC LIMIT ?) ORDER BY id", (session_id, session_id, n),
+        ) as cur:
+            rows = await cur.fetchall()
+        turns: dict[str, list[Any]] = {}
+        for key, user_id, role, content in rows:
+            turn = turns.setdefault(key, [key, user_id, "", ""])
+            if role == "user" and not turn[2]:
+                turn[2] = content or ""
+            elif role == "assistant" and content:
+                turn[3] = content
+        return [(t[0], t[1], t[2], t[3]) for t in turns.values()]
+
+    async def get_session(self, session_id: str) -> dict[str, Any] | None:
+        async with self.reader() as db:
+            db.row_factory = aiosqlite.Row
+            try:
+                async with db.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)) as cur:
+                    row = await cur.fetchone()
+            finally:
+                db.row_factory = None
+        return dict(row) if row else None

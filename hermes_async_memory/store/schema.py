@@ -1,0 +1,178 @@
+"""The store's tables, their version, and what an older file needs at open (migrations)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiosqlite
+
+from ..errors import StoreError
+
+SCHEMA_VERSION = 1
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS sessions (
+    id TEXT PRIMARY KEY,
+    source TEXT NOT NULL,
+    user_id TEXT,
+    model TEXT,
+    parent_session_id TEXT,
+    started_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    ended_at REAL,
+    end_reason TEXT,
+    message_count INTEGER NOT NULL DEFAULT 0,
+    tool_call_count INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS idx_sessions_user ON sessions(user_id);
+CREATE INDEX IF NOT EXISTS idx_sessions_parent ON sessions(parent_session_id);
+CREATE INDEX IF NOT EXISTS idx_sessions_started ON sessions(started_at DESC);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    turn_key TEXT NOT NULL,
+    ordinal INTEGER NOT NULL,
+    role TEXT NOT NULL,
+    content TEXT,
+    tool_calls TEXT,
+    tool_call_id TEXT,
+    tool_name TEXT,
+    timestamp REAL NOT NULL,
+    user_id TEXT,
+    scope TEXT NOT NULL,
+    metadata TEXT
+);
+CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, id);
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
+    content, scope,
+    content='messages', content_rowid='id',
+    tokenize='unicode61 remove_diacritics 2'
+);
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_vocab USING fts5vocab(messages_fts, 'col');
+CREATE TRIGGER IF NOT EXISTS messages_fts_delete AFTER DELETE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content, scope)
+    VALUES ('delete', old.id, old.content, old.scope);
+END;
+CREATE TABLE IF NOT EXISTS outbox (
+    key TEXT PRIMARY KEY,
+    session_id TEXT NOT NULL,
+    segment INTEGER NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('pending', 'leased', 'done', 'dead')),
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    payload BLOB,
+    accepted_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idx_outbox_segment ON outbox(segment);
+CREATE INDEX IF NOT EXISTS idx_outbox_open ON outbox(status) WHERE status != 'done';
+-- Several processes, one memory: producers hand turns to the inbox, a worker claims them
+-- under a lease and commits them; producers ask for recalls, the worker answers.
+CREATE TABLE IF NOT EXISTS inbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT NOT NULL UNIQUE,
+    session_id TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    accepted_at REAL NOT NULL,
+    lease_owner TEXT,
+    lease_until REAL
+);
+CREATE INDEX IF NOT EXISTS idx_inbox_session ON inbox(session_id, id);
+CREATE TABLE IF NOT EXISTS recall_requests (
+    session_id TEXT PRIMARY KEY,
+    user_id TEXT,
+    query TEXT NOT NULL,
+    after_id INTEGER NOT NULL,
+    requested_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS recall_results (
+    session_id TEXT PRIMARY KEY,
+    user_id TEXT,
+    query TEXT NOT NULL,
+    block TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    updated_at REAL NOT NULL,
+    source TEXT NOT NULL DEFAULT 'local',
+    fallback INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS idx_recall_results_version ON recall_results(version);
+-- Each replica backend's own outbox: a row per committed turn, written in the turn's commit
+-- transaction, removed once the backend has the turn; 'dead' with the reason when it cannot.
+CREATE TABLE IF NOT EXISTS replica_outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    backend TEXT NOT NULL,
+    turn_key TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    first_id INTEGER NOT NULL,
+    n_messages INTEGER NOT NULL,
+    status TEXT NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'dead')),
+    attempts INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT,
+    updated_at REAL,
+    UNIQUE (backend, turn_key)
+);
+CREATE INDEX IF NOT EXISTS idx_replica_outbox_open ON replica_outbox(backend, status, id);
+CREATE INDEX IF NOT EXISTS idx_replica_outbox_session
+    ON replica_outbox(backend, status, session_id, id);
+"""
+_ADDED_COLUMNS = (
+    ("recall_results", "source", "TEXT NOT NULL DEFAULT 'local'"),
+    ("recall_results", "fallback", "INTEGER NOT NULL DEFAULT 0"),
+    # A turn a producer could not write, handed in with why: the worker dead-letters it.
+    ("inbox", "error", "TEXT"),
+)
+# Set on the writer connection: a batch of inbox turns commits only while its lease holds.
+LEASE_GUARD = """
+CREATE TEMP TABLE IF NOT EXISTS lease_guard (held INTEGER NOT NULL CHECK (held));
+"""
+
+
+async def migrate(db: aiosqlite.Connection, path: Path) -> None:
+    """Create what a new file lacks, bring an older file's tables up to date, and set up the
+    writer connection's temporary tables.
+
+    Raises:
+        StoreError: the file's schema is newer than this library knows.
+        sqlite3.Error: the file cannot be read or written.
+    """
+    await db.executescript(SCHEMA)
+    async with db.execute("SELECT version FROM schema_version") as cur:
+        row = await cur.fetchone()
+    if row is None:
+        await db.execute(
+            "INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,)
+        )
+        # Rank on the text column only; the scope column is a filter, not evidence.
+        await db.execute(
+            "INSERT INTO messages_fts (messages_fts, rank) "
+            "VALUES ('rank', 'bm25(1.0, 0.0)')"
+        )
+    elif row[0] > SCHEMA_VERSION:
+        raise StoreError(
+            f"{path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
+        )
+    await add_missing_columns(db)
+    await db.commit()
+    await db.executescript(LEASE_GUARD)
+
+
+async def check_tables(db: aiosqlite.Connection) -> None:
+    """One cheap read of every table: a damaged page behind them shows now, not later."""
+    for query in ("SELECT max(rowid) FROM sessions", "SELECT max(id) FROM messages",
+                  "SELECT max(key) FROM outbox", "SELECT max(id) FROM inbox",
+                  "SELECT max(id) FROM replica_outbox"):
+        async with db.execute(query) as cur:
+            await cur.fetchone()
+
+
+async def add_missing_columns(db: aiosqlite.Connection) -> None:
+    """Columns added since a table was first created (CREATE IF NOT EXISTS keeps an
+    older table as it is)."""
+    for table, column, decl in _ADDED_COLUMNS:
+        async with db.execute(f"PRAGMA table_info({table})") as cur:
+            have = {row[1] for row in await cur.fetchall()}
+        if column not in have:
+            await db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
