@@ -110,6 +110,28 @@ async def test_a_producer_reads_the_recall_the_worker_ran(db: Path, worker: Memo
     assert count_rows(db, "SELECT count(*) FROM recall_requests") == 0
 
 
+async def test_two_users_of_one_session_id_each_get_their_own_recall_across_processes(
+    db: Path, worker: MemoryPipeline
+) -> None:
+    """"default" is a common session id. Requests and results were keyed by session only:
+    one user's request replaced the other's, and a result could land under either."""
+    async with MemoryPipeline(shared(db, "producer")) as producer:
+        producer.sync_turn("my locker code is 4471", "noted", session_id="old-a",
+                           user_id="alice")
+        producer.sync_turn("my bike is a green Brompton", "noted", session_id="old-b",
+                           user_id="bob")
+        await producer.flush(timeout=WAIT_S)
+        producer.queue_prefetch("what is my locker code", session_id="default",
+                                user_id="alice")
+        producer.queue_prefetch("which bike do I ride", session_id="default", user_id="bob")
+        await eventually(producer, lambda: (
+            "4471" in producer.prefetch("", session_id="default", user_id="alice")
+            and "Brompton" in producer.prefetch("", session_id="default", user_id="bob")),
+            "both users' recalls reached the producer")
+        assert "Brompton" not in producer.prefetch("", session_id="default", user_id="alice")
+        assert "4471" not in producer.prefetch("", session_id="default", user_id="bob")
+
+
 async def test_a_producer_sees_its_own_recent_turns_at_once(db: Path) -> None:
     async with MemoryPipeline(shared(db, "producer")) as producer:
         producer.sync_turn("remember the blue folder", "will do", session_id="s1")

@@ -161,3 +161,39 @@ async def test_a_rollback_that_leaves_a_transaction_open_is_logged_with_its_trac
         await rollback(StuckRollback())  # type: ignore[arg-type]
     assert [(e["event"], e["log_level"], e.get("exc_info")) for e in logs] == [
         ("store_rollback_failed", "error", True)]
+
+
+async def test_a_version_1_store_is_brought_to_version_2_at_open(tmp_path: Path) -> None:
+    """Version 1 keyed recall requests and results by session alone; its rows are passing
+    state, so the upgrade makes the tables anew, keyed by (session, user)."""
+    db = tmp_path / "m.db"
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        mem.sync_turn("kept", "as is", session_id="s", user_id="u")
+    conn = sqlite3.connect(db, isolation_level=None)
+    conn.executescript("""
+        DROP TABLE recall_requests; DROP TABLE recall_results;
+        CREATE TABLE recall_requests (session_id TEXT PRIMARY KEY, user_id TEXT,
+            query TEXT NOT NULL, after_id INTEGER NOT NULL, requested_at REAL NOT NULL);
+        CREATE TABLE recall_results (session_id TEXT PRIMARY KEY, user_id TEXT,
+            query TEXT NOT NULL, block TEXT NOT NULL, version INTEGER NOT NULL,
+            updated_at REAL NOT NULL);
+        INSERT INTO recall_requests VALUES ('default', 'a', 'q', 0, 0);
+        UPDATE schema_version SET version = 1;
+    """)
+    conn.close()
+
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        await store.request_recall("default", "a", "first")
+        await store.request_recall("default", "b", "second")
+        await store.request_recall("default", None, "third")
+        taken = await store.take_recall_requests(10)
+        assert sorted((q, s, u) for s, u, q, _ in taken) == [
+            ("first", "default", "a"), ("second", "default", "b"), ("third", "default", None)]
+        assert [m["content"] for m in await store.get_messages("s")] == ["kept", "as is"]
+    finally:
+        await store.aclose()
+    conn = sqlite3.connect(db)
+    assert conn.execute("SELECT version FROM schema_version").fetchone() == (2,)
+    conn.close()

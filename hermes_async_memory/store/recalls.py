@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from .connections import Connections
 
+NO_USER = ""  # the user column of a session without a user: a real id is never empty
+
 
 class Recalls(Connections):
     """Recall requests and results, on the auxiliary connection: they never wait for a batch."""
@@ -14,23 +16,23 @@ class Recalls(Connections):
         await (await self.aux()).execute(
             "INSERT INTO recall_requests (session_id, user_id, query, after_id, requested_at) "
             "VALUES (?, ?, ?, (SELECT coalesce(max(id), 0) FROM inbox), ?) "
-            "ON CONFLICT (session_id) DO UPDATE SET user_id = excluded.user_id, "
+            "ON CONFLICT (session_id, user_id) DO UPDATE SET "
             "query = excluded.query, after_id = excluded.after_id, "
             "requested_at = excluded.requested_at",
-            (session_id, user_id, query, self.now()),
+            (session_id, user_id or NO_USER, query, self.now()),
         )
 
     async def take_recall_requests(self, limit: int) -> list[tuple[str, str | None, str, int]]:
         """The oldest recall requests, removed: (session_id, user_id, query, after_id)."""
         sql = (
-            "DELETE FROM recall_requests WHERE session_id IN (SELECT session_id FROM "
+            "DELETE FROM recall_requests WHERE rowid IN (SELECT rowid FROM "
             "recall_requests ORDER BY requested_at LIMIT ?) "
             "RETURNING session_id, user_id, query, after_id, requested_at"
         )
         async with (await self.aux()).execute(sql, (limit,)) as cur:
             rows = list(await cur.fetchall())
         rows.sort(key=lambda r: float(r[4]))
-        return [(r[0], r[1], r[2], int(r[3])) for r in rows]
+        return [(r[0], r[1] or None, r[2], int(r[3])) for r in rows]
 
     async def put_recall_result(self, session_id: str, user_id: str | None, query: str,
                                 block: str, source: str = "local", fallback: bool = False
@@ -40,11 +42,11 @@ class Recalls(Connections):
             "source, fallback) "
             "VALUES (?, ?, ?, ?, (SELECT coalesce(max(version), 0) + 1 FROM recall_results), ?, "
             "?, ?) "
-            "ON CONFLICT (session_id) DO UPDATE SET user_id = excluded.user_id, "
+            "ON CONFLICT (session_id, user_id) DO UPDATE SET "
             "query = excluded.query, block = excluded.block, version = excluded.version, "
             "updated_at = excluded.updated_at, source = excluded.source, "
             "fallback = excluded.fallback",
-            (session_id, user_id, query, block, self.now(), source, int(fallback)),
+            (session_id, user_id or NO_USER, query, block, self.now(), source, int(fallback)),
         )
 
     async def recall_results_since(
@@ -57,7 +59,8 @@ class Recalls(Connections):
             "FROM recall_results WHERE version > ? ORDER BY version LIMIT ?", (version, limit)
         ) as cur:
             rows = await cur.fetchall()
-        return [(r[0], r[1], r[2], r[3], int(r[4]), str(r[5]), bool(r[6])) for r in rows]
+        return [(r[0], r[1] or None, r[2], r[3], int(r[4]), str(r[5]), bool(r[6]))
+                for r in rows]
 
     async def recall_version(self) -> int:
         async with self.reader() as db, db.execute(

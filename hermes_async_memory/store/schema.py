@@ -8,7 +8,8 @@ import aiosqlite
 
 from ..errors import StoreError
 
-SCHEMA_VERSION = 1
+# 2: recall requests and results are keyed by (session, user), not by session alone.
+SCHEMA_VERSION = 2
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -82,21 +83,23 @@ CREATE TABLE IF NOT EXISTS inbox (
 );
 CREATE INDEX IF NOT EXISTS idx_inbox_session ON inbox(session_id, id);
 CREATE TABLE IF NOT EXISTS recall_requests (
-    session_id TEXT PRIMARY KEY,
-    user_id TEXT,
+    session_id TEXT NOT NULL,
+    user_id TEXT NOT NULL,  -- '' for a session without a user (an id is never empty)
     query TEXT NOT NULL,
     after_id INTEGER NOT NULL,
-    requested_at REAL NOT NULL
+    requested_at REAL NOT NULL,
+    PRIMARY KEY (session_id, user_id)
 );
 CREATE TABLE IF NOT EXISTS recall_results (
-    session_id TEXT PRIMARY KEY,
-    user_id TEXT,
+    session_id TEXT NOT NULL,
+    user_id TEXT NOT NULL,  -- '' for a session without a user
     query TEXT NOT NULL,
     block TEXT NOT NULL,
     version INTEGER NOT NULL,
     updated_at REAL NOT NULL,
     source TEXT NOT NULL DEFAULT 'local',
-    fallback INTEGER NOT NULL DEFAULT 0
+    fallback INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (session_id, user_id)
 );
 CREATE INDEX IF NOT EXISTS idx_recall_results_version ON recall_results(version);
 -- Each replica backend's own outbox: a row per committed turn, written in the turn's commit
@@ -154,9 +157,21 @@ async def migrate(db: aiosqlite.Connection, path: Path) -> None:
         raise StoreError(
             f"{path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
         )
+    elif row[0] < 2:
+        await _rekey_recalls(db)
     await add_missing_columns(db)
     await db.commit()
     await db.executescript(LEASE_GUARD)
+
+
+async def _rekey_recalls(db: aiosqlite.Connection) -> None:
+    """Version 2: recall requests and results keyed by (session, user). Both tables hold
+    passing state only (a request is asked again with the next turn, a result is a cache
+    entry), so they are made anew rather than copied."""
+    await db.execute("DROP TABLE IF EXISTS recall_requests")
+    await db.execute("DROP TABLE IF EXISTS recall_results")
+    await db.executescript(SCHEMA)
+    await db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
 
 
 async def check_tables(db: aiosqlite.Connection) -> None:
