@@ -119,10 +119,10 @@ class Maintenance:
         store, s = self._store, self._settings
         if self._checkpoint_due:
             started = self._clock()
-            await store.checkpoint()
-            self._checkpoint_due = False
-            log.info("store_checkpointed", reason="disk_full_cleared",
-                     duration_ms=round((self._clock() - started) * 1e3, 2))
+            if await store.checkpoint():
+                self._checkpoint_due = False
+                log.info("store_checkpointed", reason="disk_full_cleared",
+                         duration_ms=round((self._clock() - started) * 1e3, 2))
         oldest = self.outbox.oldest_segment()
         if oldest > self._last_pruned:
             await store.prune_outbox(oldest)

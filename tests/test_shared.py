@@ -21,7 +21,10 @@ import pytest
 
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.errors import LeaseLostError
+from hermes_async_memory.maintenance import RESULTS_KEPT_S, Maintenance
+from hermes_async_memory.outbox import Outbox
 from hermes_async_memory.parts import RECALL_SERVER_CONCURRENCY
+from hermes_async_memory.supervisor import Conditions
 from hermes_async_memory.store import Batch, SqliteStore
 from hermes_async_memory.turns import Turn, turn_messages
 
@@ -376,4 +379,26 @@ async def test_recall_requests_waiting_out_their_barrier_are_served_together_wit
             assert server.peak_in_flight == RECALL_SERVER_CONCURRENCY, "together, bounded"
             assert server.errors == 0
     finally:
+        await store.aclose()
+
+
+async def test_a_worker_prunes_recall_results_no_producer_will_read(db: Path) -> None:
+    """Results are read within milliseconds of being written; before, they were kept for
+    ever, one row per session that ever asked."""
+    clock = FakeWallClock()
+    store = SqliteStore(db, wall_clock=clock)
+    await store.open()
+    outbox = Outbox(db.with_name("ob"), segment_bytes=1 << 20, max_pending_turns=10,
+                    max_pending_bytes=1 << 20, overflow="defer")
+    await anyio.to_thread.run_sync(outbox.open)
+    try:
+        await store.put_recall_result("old", "u", "q", "block")
+        clock.now += RESULTS_KEPT_S + 1
+        await store.put_recall_result("new", "u", "q", "block")
+        maintenance = Maintenance(shared(db, "worker"), store, outbox,
+                                  conditions=Conditions(), commits=True, wall_clock=clock)
+        await maintenance.round()
+        assert [r[0] for r in await store.recall_results_since(0)] == ["new"]
+    finally:
+        await anyio.to_thread.run_sync(outbox.close)
         await store.aclose()

@@ -135,10 +135,12 @@ class Connections:
             raise
         return conn
 
-    async def checkpoint(self) -> None:
+    async def checkpoint(self) -> bool:
         """Copy the WAL into the database and truncate it: gives back the space the WAL grew
-        to (after a full disk, say)."""
-        await self.writer.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        to (after a full disk, say). Returns False when a reader kept it from finishing."""
+        async with self.writer.execute("PRAGMA wal_checkpoint(TRUNCATE)") as cur:
+            row = await cur.fetchone()
+        return row is not None and row[0] == 0
 
     async def aclose(self, timeout_s: float | None = None) -> None:
         """Stop what runs (``interrupt``), close readers, then the writers, within
