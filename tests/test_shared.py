@@ -24,8 +24,8 @@ from hermes_async_memory.errors import LeaseLostError
 from hermes_async_memory.maintenance import RESULTS_KEPT_S, Maintenance
 from hermes_async_memory.outbox import Outbox
 from hermes_async_memory.parts import RECALL_SERVER_CONCURRENCY
-from hermes_async_memory.supervisor import Conditions
 from hermes_async_memory.store import Batch, SqliteStore
+from hermes_async_memory.supervisor import Conditions
 from hermes_async_memory.turns import Turn, turn_messages
 
 from .helpers import count_rows, stored_turns
