@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import errno
 import sqlite3
+import sys
 
 from .errors import (
     CorruptStoreError,
@@ -23,6 +24,9 @@ from .errors import (
     LeaseLostError,
     StoreAccessError,
 )
+
+if sys.version_info < (3, 11):  # pragma: no cover - the backport anyio brings along
+    from exceptiongroup import BaseExceptionGroup
 
 
 class Fault(enum.Enum):
@@ -67,8 +71,19 @@ def sqlite_code(exc: BaseException) -> int | None:
     return code & 0xFF if isinstance(code, int) else None
 
 
+def unwrap(exc: BaseException) -> BaseException:
+    """The one exception a task group's exception group holds (at any depth), or ``exc``."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def classify(exc: BaseException) -> Fault:
-    """Which kind of failure ``exc`` is, for a write to the store or the outbox."""
+    """Which kind of failure ``exc`` is, for a write to the store or the outbox. A group of
+    failures (from a task group) is the worst of its members."""
+    if isinstance(exc, BaseExceptionGroup):
+        kinds = {classify(e) for e in exc.exceptions}
+        return next(k for k in (Fault.FATAL, Fault.DATA, Fault.TRANSIENT) if k in kinds)
     if isinstance(exc, (DiskFullError, LeaseLostError)):
         return Fault.TRANSIENT
     if isinstance(exc, (CorruptStoreError, StoreAccessError)):

@@ -21,7 +21,7 @@ import structlog
 from anyio.abc import TaskStatus
 
 from .errors import PipelineFailedError, describe
-from .faults import Fault, classify
+from .faults import Fault, classify, unwrap
 from .retry import Backoff
 
 log = structlog.get_logger(__name__)
@@ -124,7 +124,9 @@ class Supervisor:
             try:
                 await part()
                 return
-            except Exception as exc:  # the per-part boundary: restart, or fail the pipeline
+            except Exception as raised:  # the per-part boundary: restart, or fail the pipeline
+                # A part with a task group of its own raises a group: name what is inside.
+                exc = unwrap(raised)
                 if classify(exc) is not Fault.TRANSIENT:
                     log.critical("pipeline_part_failed", part=name, error=describe(exc),
                                  exc_info=exc)

@@ -143,6 +143,67 @@ async def test_a_part_failing_for_a_transient_cause_is_restarted_with_backoff(
     assert isinstance(failures[0].cause, KeyError)
 
 
+async def test_a_part_with_a_task_group_of_its_own_is_judged_by_what_failed_inside_it(
+    tmp_path: Path,
+) -> None:
+    """A part that runs a task group raises an exception group. A busy store inside one is
+    still transient (restarted), and a failure names the error inside, not the group: the
+    recall server's locked-store error once failed the whole worker as an "ExceptionGroup"."""
+    db = tmp_path / "busy.db"
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("PRAGMA journal_mode = WAL")
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    tries: list[int] = []
+    done = anyio.Event()
+    failures: list[PipelineFailedError] = []
+
+    async def insert() -> None:
+        conn = sqlite3.connect(db, isolation_level=None, timeout=0)
+        try:
+            conn.execute("INSERT INTO t VALUES (1)")
+        finally:
+            conn.close()
+
+    async def grouped_writes() -> None:
+        tries.append(1)
+        if len(tries) == 2:
+            holder.execute("COMMIT")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(insert)
+        done.set()
+
+    async def grouped_bug() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(corrupt_read, db)
+
+    supervisor = Supervisor(backoff=Backoff(base_s=0.01, cap_s=0.05), conditions=Conditions(),
+                            on_failure=failures.append)
+    supervisor.add("grouped_writes", grouped_writes)
+    supervisor.add("grouped_bug", grouped_bug)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(supervisor.run)
+            await done.wait()
+            tg.cancel_scope.cancel()
+    holder.close()
+    assert supervisor.restarts["grouped_writes"] == 1
+    assert [f.part for f in failures] == ["grouped_bug"]
+    assert isinstance(failures[0].cause, sqlite3.DatabaseError)
+    assert "file is not a database" in str(failures[0]), "the error inside, named"
+
+
+async def corrupt_read(db: Path) -> None:
+    """A read that meets a damaged file, as a part would."""
+    bad = db.with_name("bad.db")
+    bad.write_bytes(b"SQLite format 3\x00" + os.urandom(8192))
+    conn = sqlite3.connect(bad)
+    try:
+        conn.execute("SELECT * FROM sqlite_master").fetchall()
+    finally:
+        conn.close()
+
+
 async def test_the_next_start_commits_what_a_failed_pipeline_accepted(tmp_path: Path) -> None:
     settings = Settings(db_path=tmp_path / "m.db", shutdown_deadline_s=0.2)
     async with MemoryPipeline(settings) as mem:
