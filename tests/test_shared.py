@@ -29,6 +29,8 @@ from hermes_async_memory.supervisor import Conditions
 from hermes_async_memory.turns import Turn, turn_messages
 
 from .helpers import count_rows, stored_turns
+from .test_writer import _leave_in_outbox
+from .test_writer import _turn as _record
 
 WAIT_S = 30.0  # generous for a busy CI machine; nothing waits this long when things work
 
@@ -402,3 +404,26 @@ async def test_a_worker_prunes_recall_results_no_producer_will_read(db: Path) ->
     finally:
         await anyio.to_thread.run_sync(outbox.close)
         await store.aclose()
+
+
+async def test_a_record_a_producer_cannot_read_goes_to_the_worker_not_around_it(
+    db: Path,
+) -> None:
+    """Only workers write the store. A record a producer cannot even read (nested too deep,
+    left by an earlier run) is handed in with its reason; the worker dead-letters it under
+    its lease, and the records around it commit. Before, a producer isolated such a record
+    by writing the dead letter into the store itself."""
+    deep = _record(7).decode().replace('"d":null', '"d":' + "[" * 5000 + "]" * 5000)
+    _leave_in_outbox(shared(db, "producer").producer_outbox_dir(0),
+                     [_record(i) if i != 7 else deep.encode() for i in range(20)])
+    async with MemoryPipeline(shared(db, "producer")) as producer:
+        await producer.flush(timeout=WAIT_S)
+    assert count_rows(db, "SELECT count(*) FROM messages") == 0
+    assert count_rows(db, "SELECT count(*) FROM outbox") == 0, "the producer wrote no state"
+    assert count_rows(db, "SELECT count(*) FROM inbox WHERE error IS NOT NULL") == 1
+    async with MemoryPipeline(shared(db, "worker")) as worker:
+        await eventually(worker, lambda: worker.stats().inbox_committed_turns == 19
+                         and worker.stats().dead_letters == 1, "19 committed, 1 dead")
+        dead = await worker.store.dead_letters()
+    assert [d.key for d in dead] == ["k-7"] and "RecursionError" in dead[0].last_error
+    assert count_rows(db, "SELECT count(*) FROM messages") == 19 * 2

@@ -20,10 +20,11 @@ SESSIONS = 5
 TURNS = 200
 
 
-def _leave_in_outbox(settings: Settings, records: list[bytes]) -> None:
-    """Append records to the outbox as an earlier run would have left them: accepted before
-    this version checked its input, never committed."""
-    outbox = Outbox(settings.outbox_dir, segment_bytes=settings.outbox_segment_bytes,
+def _leave_in_outbox(target: Settings | Path, records: list[bytes]) -> None:
+    """Append records to an outbox (the settings' own, or a folder) as an earlier run would
+    have left them: accepted before this version checked its input, never committed."""
+    directory = target.outbox_dir if isinstance(target, Settings) else target
+    outbox = Outbox(directory, segment_bytes=16 * 1024 * 1024,
                     max_pending_turns=10**6, max_pending_bytes=2**40, overflow="defer")
     outbox.open()
     try:
