@@ -273,6 +273,13 @@ class Corpus:
     def turn(self, rng: random.Random, u: int) -> tuple[str, str]:
         return self.message(rng, u, 6, 20), self.message(rng, u, 12, 40)
 
+    def turn_of(self, rng: random.Random, u: int, words: tuple[int, int]) -> tuple[str, str]:
+        """A user and an assistant message of ``words[0]``..``words[1]`` words each (the
+        topic words a message may gain are counted in)."""
+        lo, hi = words
+        return (self.message(rng, u, lo, max(lo, hi - 2)),
+                self.message(rng, u, lo, max(lo, hi - 2)))
+
     def band_word(self, rng: random.Random, lo_rank: int, hi_rank: int) -> str:
         return self.words[rng.randrange(lo_rank - 1, hi_rank)]
 
@@ -365,14 +372,26 @@ def raw_group_commit(
         conn.execute("COMMIT")
 
 
-def make_turns(corpus: Corpus, n: int, sessions: int, seed: int) -> list[TurnSpec]:
-    """``n`` turns spread round-robin over ``sessions`` sessions (interleaved ids)."""
+# Realistic chat messages for throughput: 20-30 words each, user and assistant alike.
+REALISTIC_WORDS = (20, 30)
+
+
+def make_turns(
+    corpus: Corpus, n: int, sessions: int, seed: int, words: tuple[int, int] | None = None
+) -> list[TurnSpec]:
+    """``n`` turns spread round-robin over ``sessions`` sessions (interleaved ids).
+
+    ``words``: both messages of every turn have that many words (lo, hi); by default the
+    corpus's short user and longer assistant messages."""
     rng = random.Random(seed)
     users = corpus.spec.users
     out: list[TurnSpec] = []
     for i in range(n):
         s = i % sessions
         u = s % users
-        user, assistant = corpus.turn(rng, u)
+        if words is None:
+            user, assistant = corpus.turn(rng, u)
+        else:
+            user, assistant = corpus.turn_of(rng, u, words)
         out.append((corpus.session_id(u, s // users), corpus.user_id(u), user, assistant))
     return out
