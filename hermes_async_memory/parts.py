@@ -72,16 +72,16 @@ class Parts:
         p = self.pipeline
         now = p.clock()
         wall = time.time()
-        note = p.cache.note_commit
+        note = p.cache.note_commits
         lat = p.meter.latencies_s
         rows = 0
         for i in range(0, len(turns), CHUNK):
             if i:
                 await maybe_yield()
-            for t in turns[i : i + CHUNK]:
-                note(t.user_id, t.session_id, t.key, t.user_text, t.assistant_text, now)
-                lat.append(wall - t.accepted_at)
-                rows += t.n_messages
+            chunk = turns[i : i + CHUNK]
+            note(chunk, now)
+            lat.extend([wall - t.accepted_at for t in chunk])
+            rows += sum([t.n_messages for t in chunk])
         p.meter.record_batch(now, len(turns), rows)
         self.maintenance.rows_since_vocab += rows
         if self.replicator is not None:
