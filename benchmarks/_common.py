@@ -18,6 +18,7 @@ import random
 import shutil
 import sqlite3
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -40,9 +41,26 @@ FLUSH_TIMEOUT_S = 300.0
 # -- set-up ------------------------------------------------------------------------------
 
 
-def quiet_logs() -> None:
-    """The library logs one line per batch; a benchmark is the edge, so it silences them."""
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+def quiet_logs(*, json_lines: bool = False) -> None:
+    """The library logs one line per batch; a benchmark is the edge, so it silences them.
+
+    ``json_lines``: warnings and errors as JSON lines on stderr, as the worker writes them
+    when not on a TTY. The default console renderer pretty-prints tracebacks (with rich when
+    it is installed: ~100 ms a traceback), which a benchmark timing the event loop must not
+    mistake for the library's own work."""
+    if not json_lines:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+        return
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
 
 
 def parser(description: str) -> argparse.ArgumentParser:
