@@ -195,6 +195,8 @@ class Result:
     ratio: str
     goal: str
     met: bool | None  # None: informative, no goal
+    # One of the figures issue 9 asks the README to show first (run_all.py's headline table).
+    headline: bool = False
 
     @property
     def verdict(self) -> str:

@@ -529,6 +529,7 @@ async def main() -> list[Result]:
             f"{got['p999'] / max(base['p999'], 1e-9):.1f}x",
             "max ≤ 2 ms",
             met,
+            headline=True,
         ),
         Result(
             "longest loop callback while the pipeline works (wall / CPU of the most CPU)",

@@ -361,6 +361,7 @@ async def main() -> list[Result]:
             f"{vs_raw:.1%}",
             "≥ 60 %",
             vs_raw >= GOAL_VS_RAW,
+            headline=True,
         ),
         Result(
             "turns/s, pipeline vs per-call store (seed 000 as written)",
