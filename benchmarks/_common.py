@@ -18,6 +18,7 @@ import random
 import shutil
 import sqlite3
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -40,9 +41,26 @@ FLUSH_TIMEOUT_S = 300.0
 # -- set-up ------------------------------------------------------------------------------
 
 
-def quiet_logs() -> None:
-    """The library logs one line per batch; a benchmark is the edge, so it silences them."""
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+def quiet_logs(*, json_lines: bool = False) -> None:
+    """The library logs one line per batch; a benchmark is the edge, so it silences them.
+
+    ``json_lines``: warnings and errors as JSON lines on stderr, as the worker writes them
+    when not on a TTY. The default console renderer pretty-prints tracebacks (with rich when
+    it is installed: ~100 ms a traceback), which a benchmark timing the event loop must not
+    mistake for the library's own work."""
+    if not json_lines:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+        return
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
 
 
 def parser(description: str) -> argparse.ArgumentParser:
@@ -177,6 +195,8 @@ class Result:
     ratio: str
     goal: str
     met: bool | None  # None: informative, no goal
+    # One of the figures issue 9 asks the README to show first (run_all.py's headline table).
+    headline: bool = False
 
     @property
     def verdict(self) -> str:
@@ -273,6 +293,13 @@ class Corpus:
     def turn(self, rng: random.Random, u: int) -> tuple[str, str]:
         return self.message(rng, u, 6, 20), self.message(rng, u, 12, 40)
 
+    def turn_of(self, rng: random.Random, u: int, words: tuple[int, int]) -> tuple[str, str]:
+        """A user and an assistant message of ``words[0]``..``words[1]`` words each (the
+        topic words a message may gain are counted in)."""
+        lo, hi = words
+        return (self.message(rng, u, lo, max(lo, hi - 2)),
+                self.message(rng, u, lo, max(lo, hi - 2)))
+
     def band_word(self, rng: random.Random, lo_rank: int, hi_rank: int) -> str:
         return self.words[rng.randrange(lo_rank - 1, hi_rank)]
 
@@ -365,14 +392,26 @@ def raw_group_commit(
         conn.execute("COMMIT")
 
 
-def make_turns(corpus: Corpus, n: int, sessions: int, seed: int) -> list[TurnSpec]:
-    """``n`` turns spread round-robin over ``sessions`` sessions (interleaved ids)."""
+# Realistic chat messages for throughput: 20-30 words each, user and assistant alike.
+REALISTIC_WORDS = (20, 30)
+
+
+def make_turns(
+    corpus: Corpus, n: int, sessions: int, seed: int, words: tuple[int, int] | None = None
+) -> list[TurnSpec]:
+    """``n`` turns spread round-robin over ``sessions`` sessions (interleaved ids).
+
+    ``words``: both messages of every turn have that many words (lo, hi); by default the
+    corpus's short user and longer assistant messages."""
     rng = random.Random(seed)
     users = corpus.spec.users
     out: list[TurnSpec] = []
     for i in range(n):
         s = i % sessions
         u = s % users
-        user, assistant = corpus.turn(rng, u)
+        if words is None:
+            user, assistant = corpus.turn(rng, u)
+        else:
+            user, assistant = corpus.turn_of(rng, u, words)
         out.append((corpus.session_id(u, s // users), corpus.user_id(u), user, assistant))
     return out

@@ -6,14 +6,19 @@ the loop is yielded to every few turns so the writer really takes batches and co
 (on aiosqlite's thread) while the next turns are accepted. Every call is timed with
 perf_counter_ns around it (the timer's own cost, ~40 ns, is negligible at this scale).
 
-Two load shapes:
-* saturating: accept as fast as the loop allows, yielding every 20 turns — the writer is
-  always busy and the queue grows; the worst case for the accept path's tail.
+Three load shapes:
+* sustained: accept back to back, yielding every 20 turns, and keep yielding while more than
+  2,000 turns are uncommitted: the writer commits all along and the loop never idles.
 * paced: 5,000 turns/s in steps of 25 turns (a loop sleep between steps), which the
-  writer keeps up with: the steady state of a busy gateway.
+  writer keeps up with: a gateway that idles between turns.
+* burst: back to back, yielding every 20 turns; the writer falls behind and the queue grows.
 
 The baseline is the cheapest SQLite-based durable accept: one small row INSERTed and
 committed on its own, measured in the same run with nothing else running.
+
+Goal (issue 9): p99 <= 20 µs, judged on the sustained and burst shapes (the loop stays
+busy); the paced shape is reported with a control, a pure-Python function of similar cost
+timed the same way, since there the machine itself inflates any p99 after the thread sleeps.
 """
 
 from __future__ import annotations
@@ -44,7 +49,11 @@ from _common import (
 
 from hermes_async_memory import MemoryPipeline, Settings
 
-GOAL_P99_NS = 50_000
+# Issue 9: sync_turn p99 stays <= 20 µs, judged on the shapes where the loop stays busy
+# (sustained, burst). The paced shape is reported beside its control: there the machine
+# itself adds 20-40 µs to the p99 of any few-µs function after the thread sleeps.
+GOAL_P99_NS = 20_000
+JUDGED = ("sustained", "burst")
 SESSIONS = 1_000
 BACKLOG = 2_000
 PACED_RATE = 5_000.0
@@ -239,10 +248,11 @@ async def main() -> list[Result]:
     ):
         s = med(name)
         r50, r99 = s["p50"] / s_base["p50"], s["p99"] / s_base["p99"]
-        met = s["p99"] <= GOAL_P99_NS
+        met = s["p99"] <= GOAL_P99_NS if name in JUDGED else None
+        verdict = "not judged (see the control)" if met is None else ("PASS" if met else "MISS")
         print(
             f"{label}: ratio to the SQLite accept p50 {r50:.2f}x, p99 {r99:.2f}x; "
-            f"goal p99 <= 50 µs: {'PASS' if met else 'MISS'}"
+            f"goal p99 <= {GOAL_P99_NS / 1000:.0f} µs: {verdict}"
         )
         results.append(
             Result(
@@ -250,8 +260,9 @@ async def main() -> list[Result]:
                 f"{fmt_ns(s['p50'])} / {fmt_ns(s['p99'])}",
                 f"SQLite INSERT+commit {fmt_ns(s_base['p50'])} / {fmt_ns(s_base['p99'])}",
                 f"{r50:.2f}x / {r99:.2f}x",
-                "p99 ≤ 50 µs",
+                f"p99 ≤ {GOAL_P99_NS / 1000:.0f} µs" if met is not None else "— (control)",
                 met,
+                headline=name == "sustained",
             )
         )
     # Informative: how fast the writer kept up while the loop stayed busy (sustained shape:

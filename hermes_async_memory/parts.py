@@ -72,16 +72,16 @@ class Parts:
         p = self.pipeline
         now = p.clock()
         wall = time.time()
-        note = p.cache.note_commit
+        note = p.cache.note_commits
         lat = p.meter.latencies_s
         rows = 0
         for i in range(0, len(turns), CHUNK):
             if i:
                 await maybe_yield()
-            for t in turns[i : i + CHUNK]:
-                note(t.user_id, t.session_id, t.key, t.user_text, t.assistant_text, now)
-                lat.append(wall - t.accepted_at)
-                rows += t.n_messages
+            chunk = turns[i : i + CHUNK]
+            note(chunk, now)
+            lat.extend([wall - t.accepted_at for t in chunk])
+            rows += sum([t.n_messages for t in chunk])
         p.meter.record_batch(now, len(turns), rows)
         self.maintenance.rows_since_vocab += rows
         if self.replicator is not None:
@@ -137,8 +137,10 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     try:
         first_segment = await store.next_segment()
         slots = slot = None
+        # The store's one writing connection: one multi-call transaction on it at a time.
+        transactions = asyncio.Lock()
         if role == "producer":
-            slots = ProducerSlots(s, ForwardSink(store), backoff)
+            slots = ProducerSlots(s, ForwardSink(store, transactions), backoff)
             outbox, recovery, slot = await slots.open_own(first_segment)
         else:
             outbox = _outbox(s)
@@ -161,7 +163,7 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     inbox = (InboxSource(store, lease_owner(key_prefix), s.lease_s, p.clock)
              if role == "worker" else None)
     sources: list[Source] = [source] if inbox is None else [source, inbox]
-    sink = StoreSink(store) if commits else ForwardSink(store)
+    sink = StoreSink(store, transactions) if commits else ForwardSink(store, transactions)
     recall = RecallService(
         recaller=remote or local, cache=p.cache, barrier=p.barrier, store=store,
         target=outbox.accepted, max_pending=s.max_pending_recalls,
@@ -170,7 +172,7 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     )
     adopt = None
     if role == "worker":
-        worker_slots = ProducerSlots(s, ForwardSink(store), backoff)
+        worker_slots = ProducerSlots(s, ForwardSink(store, transactions), backoff)
         adopt = lambda: worker_slots.adopt_free(first_segment)  # noqa: E731
     maintenance = Maintenance(s, store, outbox, conditions=p.conditions, commits=commits,
                               adopt=adopt, clock=p.clock, on_round=p.changed)

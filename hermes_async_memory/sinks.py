@@ -3,10 +3,16 @@
 Only a store sink commits and dead-letters into the store. A producer's sink hands its
 batches, and the records it could not write, to the shared inbox: the worker commits the
 one and dead-letters the other under its lease, so nothing goes around the worker.
+
+Both kinds write a transaction of several calls on the store's one writing connection, and
+a worker has both at once (its writer commits, its maintainer hands in the slots of gone
+producers). They take turns through one lock per store, ``transactions``: two transactions
+interleaved on one connection are one transaction, committed by whichever ends first.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 from .slices import CHUNK, maybe_yield
@@ -30,15 +36,17 @@ class StoreSink:
 
     name = "committed"
 
-    def __init__(self, store: SqliteStore) -> None:
+    def __init__(self, store: SqliteStore, transactions: asyncio.Lock | None = None) -> None:
         self._store = store
+        self._transactions = transactions or asyncio.Lock()
 
     async def commit(self, turns: Sequence[Turn], lease_owner: str | None) -> int:
         batch = await build_batch(turns, self._store.source)
         if lease_owner is not None:  # inbox turns: they leave the inbox in the same transaction
             batch.inbox_ids = [t.seq for t in turns]
             batch.lease_owner = lease_owner
-        await self._store.commit_batch(batch)
+        async with self._transactions:
+            await self._store.commit_batch(batch)
         return batch.n_messages
 
     async def held(self, keys: Sequence[str]) -> set[str]:
@@ -58,12 +66,14 @@ class ForwardSink:
 
     name = "forwarded"
 
-    def __init__(self, store: SqliteStore) -> None:
+    def __init__(self, store: SqliteStore, transactions: asyncio.Lock | None = None) -> None:
         self._store = store
+        self._transactions = transactions or asyncio.Lock()
 
     async def commit(self, turns: Sequence[Turn], lease_owner: str | None) -> int:
         batch = await build_batch(turns, self._store.source)
-        await self._store.forward_batch(batch)
+        async with self._transactions:
+            await self._store.forward_batch(batch)
         return batch.n_messages
 
     async def held(self, keys: Sequence[str]) -> set[str]:

@@ -8,6 +8,7 @@ over the settled prefix only, so their counts always mean "everything up to here
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections import deque
@@ -35,50 +36,87 @@ class OutboxSource:
     def __init__(self, outbox: Outbox, barrier: CommitBarrier) -> None:
         self.outbox = outbox
         self._barrier = barrier
-        self._inflight: deque[Record] = deque()
+        self._inflight: deque[Record] = deque()  # taken, not settled, in order
+        self._handed = 0  # how many of those the writer has (a restarted one has none)
         self._settled: set[int] = set()
+        # The next batch, read (and decoded, ``_ahead_items`` matching a prefix of
+        # ``_ahead``) while the current one commits; not yet handed to the writer.
+        self._ahead: list[Record] = []
+        self._ahead_items: list[Turn | Unreadable] = []
 
     def waiting(self) -> int:
-        return self.outbox.unread()
+        return self.outbox.unread() + len(self._ahead)
+
+    def rewind(self) -> None:
+        """A restarted writer: the next take() offers again what was taken and not settled."""
+        self._handed = 0
 
     async def take(self, max_turns: int, max_bytes: int) -> Work | None:
-        if self._inflight:  # a restarted writer: what it had not settled, first
-            records = [r for r in self._inflight if r.seq not in self._settled]
+        inflight = self._inflight
+        if self._handed < len(inflight):  # a restarted writer: what it had not settled, first
+            records = [r for r in inflight if r.seq not in self._settled]
+            self._handed = len(inflight)
+            items = await _decode_all(records, [])
         else:
+            # The writer may still hold the last batch (committed, its settle still to run).
             await maybe_yield()
-            records = []
-            recovering = bool(self.outbox.unread()) and self._reading_recovered()
-            used = 0
-            while len(records) < max_turns and used < max_bytes:
-                chunk = self.outbox.read(min(CHUNK, max_turns - len(records)),
-                                         max_bytes - used, recovered_only=recovering)
-                if not chunk:
-                    break
-                records.extend(chunk)
-                used += sum(len(r.payload) for r in chunk)
-                await maybe_yield()
-            self._inflight.extend(records)
+            # Straight into the in-flight records, so that a writer cancelled halfway is
+            # offered them again.
+            start = len(inflight)
+            used = sum(len(r.payload) for r in self._ahead)
+            inflight.extend(self._ahead)
+            items = self._ahead_items
+            self._ahead, self._ahead_items = [], []
+            self._handed = len(inflight)
+            await self._read(inflight, start, max_turns, max_bytes - used)
+            self._handed = len(inflight)
+            records = list(itertools.islice(inflight, start, None))
+            items = await _decode_all(records, items)
         if not records:
             return None
-        items: list[Turn | Unreadable] = []
-        for i, r in enumerate(records):
-            items.append(decode(r))
-            if i % CHUNK == CHUNK - 1:
-                await maybe_yield()
         return Work(items, replay=records[0].seq <= self.outbox.recovered)
+
+    async def read_ahead(self, max_turns: int, max_bytes: int) -> None:
+        """Read and decode the next batch while the writer commits this one (the store works
+        on its own thread meanwhile), so that Python work is not serialized with SQLite's.
+
+        Safe to cancel at any await: records are kept as soon as they are read. Records an
+        earlier run left are not read ahead: they come in batches of their own.
+        """
+        if self._ahead or (self.outbox.unread() and self._reading_recovered()):
+            return
+        await self._read(self._ahead, 0, max_turns, max_bytes)
+        await _decode_all(self._ahead, self._ahead_items)
+
+    async def _read(self, into: list[Record] | deque[Record], start: int, max_turns: int,
+                    max_bytes: int) -> None:
+        """Append up to ``max_turns`` records (``max_bytes`` of payload) to ``into``, whose
+        records from ``start`` on are the batch being read."""
+        recovering = bool(self.outbox.unread()) and self._reading_recovered()
+        used = 0
+        while (n := len(into) - start) < max_turns and used < max_bytes:
+            chunk = self.outbox.read(min(CHUNK, max_turns - n), max_bytes - used,
+                                     recovered_only=recovering)
+            if not chunk:
+                break
+            into.extend(chunk)  # before any await: a cancelled read loses nothing
+            used += sum(len(r.payload) for r in chunk)
+            await maybe_yield()
 
     def _reading_recovered(self) -> bool:
         return self.outbox.accepted() - self.outbox.unread() < self.outbox.recovered
 
     async def settle(self, items: Sequence[Turn | Unreadable], *, committed: bool) -> None:
         inflight = self._inflight
-        if (not self._settled and len(items) == len(inflight)
-                and items[0].seq == inflight[0].seq and items[-1].seq == inflight[-1].seq):
-            # The whole batch, in order: the usual case.
-            whole = list(inflight)
-            inflight.clear()
-            self.outbox.mark_done(whole)
-            self._barrier.settle(whole[-1].seq)
+        n = len(items)
+        if (not self._settled and n and n <= len(inflight)
+                and items[0].seq == inflight[0].seq and items[-1].seq == inflight[n - 1].seq):
+            # The oldest records in flight, in order: the usual case.
+            popleft = inflight.popleft
+            done = [popleft() for _ in range(n)]
+            self._handed = max(0, self._handed - n)
+            self.outbox.mark_done(done)
+            self._barrier.settle(done[-1].seq)
             return
         settled = self._settled
         settled.update(item.seq for item in items)
@@ -87,9 +125,21 @@ class OutboxSource:
             record = inflight.popleft()
             settled.discard(record.seq)
             prefix.append(record)
+        self._handed = max(0, self._handed - len(prefix))
         if prefix:
             self.outbox.mark_done(prefix)
             self._barrier.settle(prefix[-1].seq)
+
+
+async def _decode_all(records: Sequence[Record], items: list[Turn | Unreadable]
+                      ) -> list[Turn | Unreadable]:
+    """Decode ``records`` past the ``len(items)`` already decoded into ``items``, a chunk at a
+    time; returns ``items``."""
+    for i in range(len(items), len(records)):
+        items.append(decode(records[i]))
+        if i % CHUNK == CHUNK - 1:
+            await maybe_yield()
+    return items
 
 
 def decode(record: Record) -> Turn | Unreadable:

@@ -22,7 +22,7 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast, runtime_checkable
 
 import anyio
 import anyio.lowlevel
@@ -95,6 +95,27 @@ class Sink(Protocol):
         """Keep a record that cannot be written, with why."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Committed:
+    source: Source
+    turns: list[Turn]
+    rows: int
+    attempts: int
+    duration_s: float
+
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """A source that can read its next batch while the writer commits the current one."""
+
+    async def read_ahead(self, max_turns: int, max_bytes: int) -> None:
+        """Read (and decode) the next batch now; cancellable at any await, losing nothing."""
+
+    def rewind(self) -> None:
+        """The next take() offers every record taken and not settled again (a restarted
+        writer)."""
+
+
 Listener = Callable[[Sequence[Turn], Source], Awaitable[None]]
 
 
@@ -130,6 +151,12 @@ class Writer:
         self._stopping = False
         self._poll_s = 0.02
         self._hurry = False
+        # A committed batch whose listeners and settle still have to run: they run while the
+        # next batch commits (or before the writer waits), so that the loop's work on one
+        # batch is not serialized with SQLite's on the next.
+        self._behind: _Committed | None = None
+        # That work, and the source reading its next batch, while a commit runs.
+        self._meanwhile: asyncio.Task[None] | None = None
         self.retries = 0
         self.dead_letters = 0
         self.leases_lost = 0
@@ -164,10 +191,18 @@ class Writer:
     async def run(self) -> None:
         self.stopped.clear()
         try:
+            # A restart: settle what the last run committed, then take again what it had not.
+            await self._finish_behind()
+            for source in self._sources:
+                if isinstance(source, ReadsAhead):
+                    source.rewind()
             while not self._stopping:
                 if not await self._round():
+                    await self._finish_behind()
                     await self._idle()
+            await self._finish_behind()
         except _Stopping:
+            await self._finish_behind()
             return
         finally:
             self.stopped.set()
@@ -181,9 +216,12 @@ class Writer:
             waiting = source.waiting()
             if (waiting and not self._hurry and self._max_wait_s > 0
                     and waiting < self._max_batch):
+                # Not saturated: settle the last batch now, its flush waiters go at once.
+                await self._finish_behind()
                 # The group-commit window; a flush or shutdown ends it at once.
                 with anyio.move_on_after(self._max_wait_s):
                     await self._rush.wait()
+            await self._meanwhile_done()
             work = await self._retrying(
                 functools.partial(source.take, self._max_batch, self._max_bytes))
             if work is None or not work.items:
@@ -225,6 +263,7 @@ class Writer:
     async def _drop_held(self, source: Source, items: list[Turn | Unreadable]
                          ) -> list[Turn | Unreadable]:
         """Settle the records the destination already holds (a replay); return the rest."""
+        await self._finish_behind()  # settles stay in order
         keys = [t.key for t in items if isinstance(t, Turn)]
         held = await self._retrying(lambda: self._sink.held(keys)) if keys else set()
         if not held:
@@ -240,8 +279,7 @@ class Writer:
         attempt = 0
         while True:
             try:
-                rows = await self._sink.commit(turns, source.lease_owner)
-                begin()  # back from the store's thread: a fresh slice for the bookkeeping
+                rows = await self._commit(source, turns)
                 break
             except LeaseLostError:
                 # Our claim expired and another worker took these turns: they are its now.
@@ -263,16 +301,63 @@ class Writer:
         now = self._clock()
         self.batches += 1
         self._observer.batch_committed(len(turns), rows, now - started)
+        # Its listeners and settle run while the next batch commits, or before the writer
+        # waits or stops.
+        await self._finish_behind()
+        self._behind = _Committed(source, turns, rows, attempt + 1, now - started)
+
+    async def _settle_committed(self, done: _Committed) -> None:
+        source, turns = done.source, done.turns
         for listener in self._listeners:  # before the barrier moves: a flush then finds them
             await listener(turns, source)
             await maybe_yield()
         await source.settle(turns, committed=True)
         await maybe_yield()
         log.info(
-            f"batch_{self._sink.name}", turns=len(turns), rows=rows, source=source.name,
-            sessions=len({t.session_id for t in turns}), attempts=attempt + 1,
-            duration_ms=round((now - started) * 1000, 2), waiting=source.waiting(),
+            f"batch_{self._sink.name}", turns=len(turns), rows=done.rows, source=source.name,
+            sessions=len({t.session_id for t in turns}), attempts=done.attempts,
+            duration_ms=round(done.duration_s * 1000, 2), waiting=source.waiting(),
         )
+
+    async def _finish_behind(self) -> None:
+        """Run the listeners and the settle of the last committed batch, if still due."""
+        await self._meanwhile_done()
+        done, self._behind = self._behind, None
+        if done is not None:
+            await self._settle_committed(done)
+
+    async def _commit(self, source: Source, turns: list[Turn]) -> int:
+        """``sink.commit``; meanwhile the last batch is settled and the source reads and
+        decodes its next one. The store works on its own thread with the GIL released, so
+        the loop's share of the work is no longer serialized with SQLite's."""
+        await self._meanwhile_done()
+        reads_ahead = isinstance(source, ReadsAhead) and not self._stopping
+        done, self._behind = self._behind, None
+        if done is not None or reads_ahead:
+            self._meanwhile = asyncio.ensure_future(
+                self._meanwhile_work(done, source if reads_ahead else None))
+        # On failure the work meanwhile goes on; the next commit or take waits for it.
+        rows = await self._sink.commit(turns, source.lease_owner)
+        begin()  # back from the store's thread: a fresh slice for the bookkeeping
+        await self._meanwhile_done()  # finished already, as a rule
+        return rows
+
+    async def _meanwhile_work(self, done: _Committed | None, source: Source | None) -> None:
+        if done is not None:
+            await self._settle_committed(done)
+        if source is not None:
+            await cast(ReadsAhead, source).read_ahead(self._max_batch, self._max_bytes)
+
+    async def _meanwhile_done(self) -> None:
+        """Wait for the work started beside the last commit; raise its error here."""
+        task = self._meanwhile
+        if task is None:
+            return
+        if not task.done():
+            await asyncio.wait({task})
+        self._meanwhile = None
+        if not task.cancelled():
+            task.result()
 
     async def _transient(self, exc: BaseException, attempt: int, turns: int) -> None:
         self.retries += 1
@@ -290,6 +375,7 @@ class Writer:
 
     async def _isolate(self, source: Source, turns: list[Turn], exc: Exception) -> None:
         """Split a batch the data makes fail until the failing record is alone."""
+        await self._finish_behind()
         held = await self._retrying(lambda: self._sink.held([t.key for t in turns]))
         if held:  # a replayed record the store has already: not the data's fault
             await source.settle([t for t in turns if t.key in held], committed=False)
@@ -306,6 +392,7 @@ class Writer:
         await self._write(source, turns[mid:])
 
     async def _dead_letter(self, source: Source, item: Turn | Unreadable, reason: str) -> None:
+        await self._finish_behind()
         await self._retrying(lambda: self._sink.dead_letter(item, reason, source.lease_owner))
         self.dead_letters += 1
         log.error("record_dead_lettered", key=item.key, session_id=item.session_id,

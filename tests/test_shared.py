@@ -26,7 +26,7 @@ from hermes_async_memory.outbox import Outbox
 from hermes_async_memory.parts import RECALL_SERVER_CONCURRENCY
 from hermes_async_memory.store import Batch, SqliteStore
 from hermes_async_memory.supervisor import Conditions
-from hermes_async_memory.turns import Turn, turn_messages
+from hermes_async_memory.turns import Turn, encode_payload, turn_messages
 
 from .helpers import count_rows, stored_turns
 from .test_writer import _leave_in_outbox
@@ -427,3 +427,50 @@ async def test_a_record_a_producer_cannot_read_goes_to_the_worker_not_around_it(
         dead = await worker.store.dead_letters()
     assert [d.key for d in dead] == ["k-7"] and "RecursionError" in dead[0].last_error
     assert count_rows(db, "SELECT count(*) FROM messages") == 19 * 2
+
+
+def _leave_in_slot(settings: Settings, slot: int, n: int) -> list[str]:
+    """A producer in ``slot`` that accepted ``n`` turns and died before handing them in."""
+    outbox = Outbox(settings.producer_outbox_dir(slot), segment_bytes=1 << 20,
+                    max_pending_turns=10**6, max_pending_bytes=2**40, overflow="defer")
+    outbox.open()
+    keys = []
+    try:
+        for i in range(n):
+            key = f"gone{slot}-{i}"
+            rows = turn_messages(f"left {key}", f"reply {key}", None)
+            outbox.append(encode_payload(key, f"gone{slot}-{i % 7}", None, time.time(), rows,
+                                         None).encode("ascii"), 2)
+            keys.append(key)
+    finally:
+        outbox.close()
+    return keys
+
+
+async def test_a_worker_hands_in_gone_producers_slots_while_its_writer_commits(
+    db: Path,
+) -> None:
+    """Invariant: every turn, the worker's own and those gone producers left, is stored
+    exactly once, and the worker keeps working.
+
+    Handing a slot in forwards its turns in a transaction on the writer's connection. It used
+    to interleave with the writer's batch transactions there (executescript commits an open
+    transaction first), and the worker failed: "cannot commit - no transaction is active".
+    """
+    settings = shared(db, "worker")
+    left = [key for slot in (1, 2, 3) for key in _leave_in_slot(settings, slot, 2_000)]
+    own = []
+    async with MemoryPipeline(settings) as w:
+        with anyio.fail_after(WAIT_S):
+            i = 0
+            # The writer commits the worker's own turns all along, while the maintainer
+            # hands the slots in (its first round is a second after the start).
+            while w.stats().inbox_committed_turns < len(left):
+                for _ in range(300):
+                    own.append(w.sync_turn(f"q{i}", f"a{i}", session_id=f"own{i % 11}").key)
+                    i += 1
+                await w.flush()
+        assert w.state == "open", w.failure
+    stored = stored_turns(db)
+    keys = [k for rows in stored.values() for k, role, _ in rows if role == "user"]
+    assert sorted(keys) == sorted(left + own)

@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..turns import Turn
 
 CacheKey = tuple[str | None, str]  # (user id, session id)
 RECALL_HEADER = "Related memory:"
@@ -130,6 +134,26 @@ class RecallCache:
         entry.version += 1
         self.on_change()
 
+    def note_commits(self, turns: Sequence[Turn], now: float) -> None:
+        """``note_commit`` for each of a batch's turns, in order, with one ``on_change``
+        after them all (the writer's path: ~1 µs a turn less than one call each)."""
+        entries, limit, touch = self._entries, self._recent_chars, self._touch
+        for t in turns:
+            key = (t.user_id, t.session_id)
+            entry = entries.get(key)
+            if entry is None:
+                entry = touch(key)
+            else:
+                entries.move_to_end(key)  # in place: a reader on another thread still finds it
+            entry.recent.append((t.key, _clip(t.user_text, limit),
+                                 _clip(t.assistant_text, limit)))
+            entry.last_turn_key = t.key
+            entry.turns_committed += 1
+            entry.committed_mono = now
+            entry.version += 1
+        if turns:
+            self.on_change()
+
     def warm(self, user_id: str | None, session_id: str,
              turns: list[tuple[str, str, str]], now: float) -> bool:
         """Merge a session's stored recent turns (oldest first: key, user text, assistant
@@ -234,5 +258,12 @@ def _without_shown(block: str, shown: str) -> str:
 
 
 def _clip(text: str, limit: int) -> str:
+    """``text`` on one line, runs of whitespace as one space, at most ``limit`` characters."""
+    if (len(text) <= limit and text.isprintable() and "  " not in text
+            and text[:1] != " " and text[-1:] != " "):
+        # Already one line with single spaces (the usual chat message): as is. Every
+        # whitespace character but the space is non-printable, so split/join is a no-op here;
+        # this check scans in C and skips building a list of every word (~1 µs a text).
+        return text
     text = " ".join(text.split()) if len(text) <= limit * 4 else " ".join(text[: limit * 4].split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
