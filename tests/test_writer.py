@@ -40,15 +40,16 @@ def _turn(i: int, metadata: dict[str, object] | None = None) -> bytes:
                           metadata).encode("ascii")
 
 
-async def test_turns_whose_token_sum_overflows_are_bisected_apart_and_all_commit(
+async def test_turns_whose_token_sum_overflows_all_commit_without_a_retry(
     tmp_path: Path,
 ) -> None:
     """Invariant: every record is stored once, in session order, with no retry.
 
-    Two neighbouring turns of one session carry 2**62 input tokens each: summed in one batch
-    they overflow SQLite's 64-bit integer ("integer overflow", SQLITE_ERROR). Treated as a
-    busy store, that batch was retried for ever and every session stalled, restart or not.
-    Bisected, each commits in a batch of its own (SQLite then adds them as a real).
+    Two neighbouring turns of one session carry 2**62 input tokens each (records an earlier
+    run accepted): their sum overflows a 64-bit integer. Summed by SQLite ("integer
+    overflow", SQLITE_ERROR) and treated as a busy store, that batch was retried for ever and
+    every session stalled, restart or not. Now the batch sums its sessions' counters itself
+    and SQLite keeps the total as a real; were SQLite to refuse it, the batch would be bisected.
     """
     settings = Settings(db_path=tmp_path / "m.db")
     big = {"input_tokens": 2**62}
