@@ -32,7 +32,7 @@ from .errors import LeaseLostError, describe
 from .faults import Fault, classify, is_disk_full
 from .metrics import PipelineObserver
 from .retry import Backoff
-from .slices import begin, maybe_yield
+from .slices import begin, committing, maybe_yield
 from .supervisor import DISK_FULL_STORE, Conditions
 from .turns import Turn
 
@@ -337,7 +337,8 @@ class Writer:
             self._meanwhile = asyncio.ensure_future(
                 self._meanwhile_work(done, source if reads_ahead else None))
         # On failure the work meanwhile goes on; the next commit or take waits for it.
-        rows = await self._sink.commit(turns, source.lease_owner)
+        with committing():
+            rows = await self._sink.commit(turns, source.lease_owner)
         begin()  # back from the store's thread: a fresh slice for the bookkeeping
         await self._meanwhile_done()  # finished already, as a rule
         return rows
