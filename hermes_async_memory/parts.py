@@ -119,8 +119,10 @@ class Parts:
             except Exception as exc:  # closing goes on: the store and outbox still close
                 log.warning("backend_close_failed", error=describe(exc), exc_info=exc)
         await p.store.aclose(max(0.01, (deadline - time.perf_counter()) * 2 / 3))
-        with anyio.move_on_after(max(0.01, deadline - time.perf_counter())):
+        with anyio.move_on_after(max(0.01, deadline - time.perf_counter())) as scope:
             await anyio.to_thread.run_sync(self.outbox.close, abandon_on_cancel=True)
+        if scope.cancelled_caught:  # it finishes on its thread; until then the lock is held
+            log.warning("outbox_close_abandoned", outbox=str(self.outbox.directory))
 
 
 async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,

@@ -28,6 +28,8 @@ async def build_batch(turns: Sequence[Turn], source: str) -> Batch:
         if i:
             await maybe_yield()
         batch.add(turns[i : i + CHUNK])
+    for _ in batch.seal(CHUNK):
+        await maybe_yield()
     return batch
 
 

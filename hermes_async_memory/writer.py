@@ -204,6 +204,14 @@ class Writer:
         except _Stopping:
             await self._finish_behind()
             return
+        except asyncio.CancelledError:
+            # Shutdown: the work started beside the commit stops with the loop that started
+            # it (reading ahead loses nothing; a settle not run leaves its records durable,
+            # found stored at the next start). After a failure it runs on instead, and the
+            # restarted loop waits for it first.
+            if self._meanwhile is not None:
+                self._meanwhile.cancel()
+            raise
         finally:
             self.stopped.set()
 
@@ -334,8 +342,9 @@ class Writer:
         reads_ahead = isinstance(source, ReadsAhead) and not self._stopping
         done, self._behind = self._behind, None
         if done is not None or reads_ahead:
-            self._meanwhile = asyncio.ensure_future(
-                self._meanwhile_work(done, source if reads_ahead else None))
+            self._meanwhile = asyncio.get_running_loop().create_task(
+                self._meanwhile_work(done, source if reads_ahead else None),
+                name="hermes-memory-writer-meanwhile")
         # On failure the work meanwhile goes on; the next commit or take waits for it.
         with committing():
             rows = await self._sink.commit(turns, source.lease_owner)

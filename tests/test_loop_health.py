@@ -111,11 +111,13 @@ async def test_loop_lag_stays_under_two_ms_under_load(
     def ms(xs: list[float]) -> list[float]:
         return [round(x * 1e3, 2) for x in sorted(xs)[-3:]]
 
-    pipeline = [c for c, _, name in callback_clock if name not in ("probe", "producer")]
+    pipeline = [(c, name) for c, _, name in callback_clock if name not in ("probe", "producer")]
     producer = [w for _, w, name in callback_clock if name == "producer"]
     assert len(pipeline) > 100  # the writer and recallers really ran on this loop
     assert max(call_cpu) < STALL_LIMIT_S, f"slowest pipeline calls {ms(call_cpu)} ms"
-    assert max(pipeline) < STALL_LIMIT_S, f"slowest pipeline callbacks (CPU) {ms(pipeline)} ms"
+    slowest = sorted(pipeline)[-3:]
+    assert slowest[-1][0] < STALL_LIMIT_S, (
+        f"slowest pipeline callbacks (CPU ms, task) {[(round(c * 1e3, 2), n) for c, n in slowest]}")
     # A probe gap also holds one producer burst: allow for exactly that.
     allowance = sorted(producer)[len(producer) * 999 // 1000]
     p999 = sorted(gaps)[len(gaps) * 999 // 1000]

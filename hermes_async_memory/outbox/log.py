@@ -126,7 +126,8 @@ class Outbox:
         except BlockingIOError as exc:
             os.close(fd)
             raise OutboxBusyError(
-                f"the outbox {self.directory} is in use by another process; "
+                f"the outbox {self.directory} is in use by another pipeline (in this process "
+                "or another); "
                 "one pipeline per store file (see the worker process for sharing)"
             ) from exc
         self._lock_fd = fd
