@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from .errors import PipelineFailedError, describe
+from .errors import PipelineClosedError, PipelineFailedError, describe
 from .maintenance import Maintenance
 from .outbox import Outbox, Recovery
 from .recall.query import query_terms
@@ -46,6 +46,8 @@ log = structlog.get_logger(__name__)
 # Recall requests from producers a worker serves at once (each may wait out its barrier).
 RECALL_SERVER_CONCURRENCY = 16
 WARM_WORKERS = 2
+# Of a shutdown's deadline, what is kept back for stopping the parts and closing the files.
+CLOSE_RESERVE_S = 0.08
 
 
 @dataclass
@@ -96,6 +98,29 @@ class Parts:
         terms = query_terms(query, self.pipeline.store.frequent_terms, s.recall_max_terms)
         scope = scope_token_for(user_id, session_id)
         return await self.local.search(terms, scope, limit or s.recall_limit)
+
+    async def shut_down(self, runner: asyncio.Task[None], deadline_s: float, *,
+                        drain: bool) -> None:
+        """Drain what was accepted (unless ``drain`` is False: a failed pipeline), stop the
+        parts and close the files, all within ``deadline_s``."""
+        started = time.perf_counter()
+        barrier = self.pipeline.barrier
+        target = self.outbox.accepted()
+        drain_s = max(0.0, deadline_s - CLOSE_RESERVE_S)
+        if drain and drain_s > 0:
+            self.writer.hurry()
+            with anyio.move_on_after(drain_s):
+                try:
+                    await barrier.wait(target)
+                except PipelineFailedError:
+                    pass  # reported already; close what is there
+        left = max(0.05, deadline_s - (time.perf_counter() - started))
+        await self.stop(runner, left / 2)
+        barrier.fail(PipelineClosedError("the pipeline closed before the flush"))
+        await self.close(max(0.02, deadline_s - (time.perf_counter() - started)))
+        log.info("pipeline_closed", committed=barrier.settled,
+                 left_in_outbox=target - barrier.settled,
+                 duration_ms=round((time.perf_counter() - started) * 1000, 2))
 
     async def stop(self, runner: asyncio.Task[None], timeout_s: float) -> None:
         """Let the writer finish the statement it is in, then cancel every part."""

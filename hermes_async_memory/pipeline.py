@@ -48,21 +48,11 @@ from .settings import Settings
 from .stats import Meter, PipelineStats
 from .store import SqliteStore
 from .supervisor import DISK_FULL, Conditions, Health
-from .turns import (
-    Receipt,
-    check_id,
-    check_metadata,
-    encode_payload,
-    has_lone_surrogate,
-    sanitize,
-    turn_messages,
-)
+from .turns import Receipt, check_id, encode_turn
 
 log = structlog.get_logger(__name__)
 
 NEW, OPEN, CLOSING, CLOSED = "new", "open", "closing", "closed"
-# Of a shutdown's deadline, what is kept back for stopping the parts and closing the files.
-_CLOSE_RESERVE_S = 0.08
 
 
 class MemoryPipeline:
@@ -211,27 +201,11 @@ class MemoryPipeline:
             return
         self._state = CLOSING
         deadline = self.settings.shutdown_deadline_s if deadline_s is None else deadline_s
-        started = time.perf_counter()
         parts = self._parts
         assert parts is not None and self._runner is not None
         with anyio.CancelScope(shield=True):
             try:
-                target = parts.outbox.accepted()
-                drain_s = max(0.0, deadline - _CLOSE_RESERVE_S)
-                if self._failure is None and drain_s > 0:
-                    parts.writer.hurry()
-                    with anyio.move_on_after(drain_s):
-                        try:
-                            await self.barrier.wait(target)
-                        except PipelineFailedError:
-                            pass  # reported already; close what is there
-                left = max(0.05, deadline - (time.perf_counter() - started))
-                await parts.stop(self._runner, left / 2)
-                self.barrier.fail(PipelineClosedError("the pipeline closed before the flush"))
-                await parts.close(max(0.02, deadline - (time.perf_counter() - started)))
-                log.info("pipeline_closed", committed=self.barrier.settled,
-                         left_in_outbox=target - self.barrier.settled,
-                         duration_ms=round((time.perf_counter() - started) * 1000, 2))
+                await parts.shut_down(self._runner, deadline, drain=self._failure is None)
             finally:
                 self._state = CLOSED
                 self._closed.set()
@@ -256,27 +230,15 @@ class MemoryPipeline:
             PipelineClosedError: the pipeline is not open.
         """
         parts = self._accepting()
-        check_id("session_id", session_id)
-        if user_id is not None:
-            check_id("user_id", user_id)
-        md = check_metadata(metadata)
-        rows = turn_messages(user_content, assistant_content, messages)
+        _check_ids(session_id, user_id)
         key = f"{self._key_prefix}-{next(self._key_counter):x}"
         accepted_at = time.time()
-        if has_lone_surrogate(rows, md):
-            # Lone surrogates cannot be stored as UTF-8 anywhere: keep the turn, with U+FFFD.
-            rows, md = sanitize(rows), sanitize(md)
-            self.sanitized += 1
+        data, n_messages, sanitized = encode_turn(
+            key, session_id, user_id, accepted_at, user_content, assistant_content, messages,
+            metadata, self.settings.max_turn_bytes)
+        self.sanitized += sanitized
         try:
-            payload = encode_payload(key, session_id, user_id, accepted_at, rows, md)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise InvalidTurnError(f"metadata is not JSON-serialisable: {exc}") from exc
-        data = payload.encode("ascii")
-        if len(data) > self.settings.max_turn_bytes:
-            raise InvalidTurnError(f"the turn is {len(data)} bytes encoded; the limit "
-                                   f"(max_turn_bytes) is {self.settings.max_turn_bytes}")
-        try:
-            seq, deferred = parts.outbox.append(data, len(rows))
+            seq, deferred = parts.outbox.append(data, n_messages)
         except DiskFullError as exc:
             self.conditions.set(DISK_FULL, describe(exc))
             raise

@@ -396,3 +396,32 @@ def sanitize(value: Any) -> Any:
     if isinstance(value, dict):
         return {sanitize(k): sanitize(v) for k, v in value.items()}
     return value
+
+
+def encode_turn(
+    key: str, session_id: str, user_id: str | None, accepted_at: float, user_content: object,
+    assistant_content: object, messages: Sequence[Mapping[str, Any]] | None,
+    metadata: object, max_bytes: int,
+) -> tuple[bytes, int, bool]:
+    """What ``sync_turn`` appends to the outbox: (the record, its messages, whether text was
+    sanitized). The ids are checked by the caller.
+
+    Raises:
+        InvalidTurnError: the turn can never be stored (types, nesting, token counts, not
+            JSON, or over ``max_bytes`` encoded); nothing was stored.
+    """
+    md = check_metadata(metadata)
+    rows = turn_messages(user_content, assistant_content, messages)
+    sanitized = has_lone_surrogate(rows, md)
+    if sanitized:
+        # Lone surrogates cannot be stored as UTF-8 anywhere: keep the turn, with U+FFFD.
+        rows, md = sanitize(rows), sanitize(md)
+    try:
+        payload = encode_payload(key, session_id, user_id, accepted_at, rows, md)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidTurnError(f"metadata is not JSON-serialisable: {exc}") from exc
+    data = payload.encode("ascii")
+    if len(data) > max_bytes:
+        raise InvalidTurnError(f"the turn is {len(data)} bytes encoded; the limit "
+                               f"(max_turn_bytes) is {max_bytes}")
+    return data, len(rows), sanitized
