@@ -56,7 +56,7 @@ class OutboxSource:
         if self._handed < len(inflight):  # a restarted writer: what it had not settled, first
             records = [r for r in inflight if r.seq not in self._settled]
             self._handed = len(inflight)
-            items = await _decode_all(records, [])
+            items = await decode_all(records, [])
         else:
             # The writer may still hold the last batch (committed, its settle still to run).
             await maybe_yield()
@@ -71,7 +71,7 @@ class OutboxSource:
             await self._read(inflight, start, max_turns, max_bytes - used)
             self._handed = len(inflight)
             records = list(itertools.islice(inflight, start, None))
-            items = await _decode_all(records, items)
+            items = await decode_all(records, items)
         if not records:
             return None
         return Work(items, replay=records[0].seq <= self.outbox.recovered)
@@ -86,7 +86,7 @@ class OutboxSource:
         if self._ahead or (self.outbox.unread() and self._reading_recovered()):
             return
         await self._read(self._ahead, 0, max_turns, max_bytes)
-        await _decode_all(self._ahead, self._ahead_items)
+        await decode_all(self._ahead, self._ahead_items)
 
     async def _read(self, into: list[Record] | deque[Record], start: int, max_turns: int,
                     max_bytes: int) -> None:
@@ -131,7 +131,7 @@ class OutboxSource:
             self._barrier.settle(prefix[-1].seq)
 
 
-async def _decode_all(records: Sequence[Record], items: list[Turn | Unreadable]
+async def decode_all(records: Sequence[Record], items: list[Turn | Unreadable]
                       ) -> list[Turn | Unreadable]:
     """Decode ``records`` past the ``len(items)`` already decoded into ``items``, a chunk at a
     time; returns ``items``."""

@@ -27,12 +27,12 @@ import anyio
 import structlog
 
 from ..errors import StoreError
-from ..outbox import Outbox, OutboxBusyError, Recovery, os_error
+from ..outbox import Outbox, OutboxBusyError, Record, Recovery, os_error
 from ..retry import Backoff, retry_transient
 from ..settings import Settings
 from ..sinks import ForwardSink
-from ..slices import CHUNK
-from ..sources import decode
+from ..slices import CHUNK, maybe_yield
+from ..sources import decode_all
 from ..turns import Turn
 
 log = structlog.get_logger(__name__)
@@ -112,10 +112,18 @@ class ProducerSlots:
     async def _hand_in(self, outbox: Outbox) -> int:
         handed = 0
         while True:
-            records = outbox.read(CHUNK * 10, self._settings.max_batch_bytes)
+            records: list[Record] = []
+            left = self._settings.max_batch_bytes
+            for _ in range(10):  # up to ten chunks a batch, the loop running between reads
+                chunk = outbox.read(CHUNK, left) if left > 0 else []
+                if not chunk:
+                    break
+                records += chunk
+                left -= sum(len(r.payload) for r in chunk)
+                await maybe_yield()
             if not records:
                 return handed
-            items = [decode(r) for r in records]
+            items = await decode_all(records, [])  # a chunk at a time: the loop runs on
             turns = [t for t in items if isinstance(t, Turn)]
             held = await retry_transient(
                 lambda: self._sink.held([t.key for t in turns]), self._backoff)  # noqa: B023

@@ -4,10 +4,14 @@ claims them under a lease and commits them."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 from .batch import Batch
 from .connections import Connections, rollback
 from .sql import KEY_CHUNK, sql_literal
+
+# Rows fetched per call from a large result.
+FETCH_ROWS = 250
 
 # A producer's batch: the turns' records as they are, unless a worker already committed them
 # (a producer replaying its outbox after a crash) or they are already waiting.
@@ -73,10 +77,17 @@ class Inbox(Connections):
         (inbox id, key, session_id, accepted_at, record, error a producer handed it in with)."""
         now = self.now()
         params = {"owner": owner, "until": now + lease_s, "now": now, "limit": limit}
+        rows: list[Any] = []
         async with self.writer.execute(_CLAIM, params) as cur:
-            rows = await cur.fetchall()
-        return sorted((int(r[0]), str(r[1]), str(r[2]), float(r[3]), str(r[4]),
-                       None if r[5] is None else str(r[5])) for r in rows)
+            # In pieces: the store's thread holds the GIL while it turns rows into Python
+            # values, and 2,000 records at once kept the event loop from running for ~3 ms.
+            while chunk := await cur.fetchmany(FETCH_ROWS):
+                rows.extend(chunk)
+        # Already of these types (the columns' own); sorted as they are: converting each
+        # value of 2,000 rows took the loop ~2 ms in one step.
+        claimed = cast(list[tuple[int, str, str, float, str, str | None]], list(rows))
+        claimed.sort()
+        return claimed
 
     async def lease_owners(self) -> list[str]:
         """The workers holding live claims on inbox turns."""
