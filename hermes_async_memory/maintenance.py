@@ -1,8 +1,10 @@
 """Upkeep, off the accept path and off the event loop's back.
 
 Every second (sooner when the writer asks for a spare segment):
-- the outbox: the next segment created ahead of need, settled segments deleted, pages ahead
-  of the tail faulted in — file I/O, all of it in a worker thread;
+- the outbox: the next segment created ahead of need, settled segments deleted, settled
+  pages dropped from memory, pages ahead of the tail faulted in — file I/O, all of it in a
+  worker thread;
+- memory: once the outbox is empty after a backlog, the C allocator's free heap given back;
 - the store (a process that commits): done keys of deleted segments forgotten, the frequent
   terms re-read, a WAL checkpoint once a full disk has room again, old recall results pruned;
 - shared mode (a worker): the inbox's depth, what gone producers left handed in, old done
@@ -16,6 +18,8 @@ again it clears, and writing goes on in the same process.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import mmap
 import time
 from collections.abc import Awaitable, Callable
 
@@ -35,6 +39,29 @@ EVERY_S = 1.0
 PRUNE_EVERY_S = 60.0  # the pruning deletes scan their tables: not every second
 INBOX_KEYS_KEPT_S = 7 * 24 * 3600.0  # done keys of inbox turns: the duplicate guard's memory
 RESULTS_KEPT_S = 600.0  # a producer polls results within milliseconds; these are long read
+# Records settled since the heap was last given back before the next time (when idle).
+TRIM_EVERY_BYTES = 16 * 1024 * 1024
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None  # not the GNU C library: its allocator gives memory back on its own terms
+    fn.argtypes = [ctypes.c_size_t]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_malloc_trim = _load_malloc_trim()
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 class Maintenance:
@@ -63,6 +90,8 @@ class Maintenance:
         self.replica_counts = (0, 0)  # (pending, dead)
         self._checkpoint_due = False
         self._prune_next = 0.0
+        self._trimmed_at = 0  # the outbox's settled bytes when the heap was last given back
+        self.heap_trims = 0
         conditions.on_clear(DISK_FULL_STORE, self._after_full_disk)
 
     def _after_full_disk(self) -> None:
@@ -111,9 +140,33 @@ class Maintenance:
         if DISK_FULL in self._conditions and not outbox.needs_spare():
             self._conditions.clear(DISK_FULL)
         await anyio.to_thread.run_sync(outbox.reap)
+        await anyio.to_thread.run_sync(outbox.release_settled)
         plan = outbox.prefault_plan()
         if plan:
             await anyio.to_thread.run_sync(Outbox.prefault, plan)
+        await self._give_back_heap()
+
+    async def _give_back_heap(self) -> None:
+        """Once a backlog has drained, return the heap's free pages to the system.
+
+        Draining a backlog decodes and encodes batch after batch, and the store's thread
+        allocates beside the loop's: the C allocator keeps the freed memory, fragmented
+        between live objects, as its own. Held by an idle process, that was most of the
+        backlog's peak (50 of 233 MiB after 100,000 turns of 2 KB). ``malloc_trim`` gives
+        back every free page; it runs when the outbox is empty (nothing to hurry) and after
+        enough records went through for it to matter, in a worker thread.
+        """
+        counts = self.outbox.counts()
+        if (_malloc_trim is None or counts.pending_turns
+                or counts.settled_bytes - self._trimmed_at < TRIM_EVERY_BYTES):
+            return
+        self._trimmed_at = counts.settled_bytes
+        started, rss = self._clock(), _rss_bytes()
+        trim = _malloc_trim
+        await anyio.to_thread.run_sync(lambda: trim(0))
+        self.heap_trims += 1
+        log.debug("heap_given_back", freed_mib=round((rss - _rss_bytes()) / 2**20, 1),
+                  duration_ms=round((self._clock() - started) * 1e3, 2))
 
     async def _store_upkeep(self) -> None:
         store, s = self._store, self._settings

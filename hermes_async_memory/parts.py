@@ -284,7 +284,8 @@ def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
                                                    else parts.server.waiting),
         warm_backlog=r.warm_backlog, warms_shed=r.warms_shed,
         sessions_warmed=r.sessions_warmed, quarantined_regions=c.quarantined_regions,
-        quarantined_bytes=c.quarantined_bytes, inbox_turns=inbox_n,
+        quarantined_bytes=c.quarantined_bytes, heap_trims=parts.maintenance.heap_trims,
+        inbox_turns=inbox_n,
         inbox_oldest_age_s=(0.0 if inbox_oldest is None
                             else max(0.0, time.time() - inbox_oldest)),
         inbox_committed_turns=0 if parts.inbox is None else parts.inbox.committed,

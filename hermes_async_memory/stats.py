@@ -53,6 +53,8 @@ class PipelineStats:
     # Damaged outbox bytes set aside at start (see the outbox's quarantine folder).
     quarantined_regions: int = 0
     quarantined_bytes: int = 0
+    # Times the heap's free memory was given back to the system after a backlog drained.
+    heap_trims: int = 0
     # Several processes, one memory (a worker's view; zero elsewhere).
     role: str = "embedded"
     inbox_turns: int = 0

@@ -216,3 +216,77 @@ async def test_store_and_outbox_files_are_private(settings: Settings) -> None:
         assert settings.outbox_dir.stat().st_mode & 0o777 == 0o700
         for seg in settings.outbox_dir.glob("*.seg"):
             assert seg.stat().st_mode & 0o777 == 0o600
+
+
+def mapped_rss(path: Path) -> int:
+    """Bytes of this process's mapping of ``path`` that are resident (/proc/self/smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                inside = line.rstrip().endswith(str(path))
+            elif inside and first == "Rss:":
+                rss += int(line.split()[1]) * 1024
+    return rss
+
+
+def test_settled_records_leave_memory_and_the_rest_stays_intact(tmp_path: Path) -> None:
+    """Settled records' pages leave the process's memory; every record not settled reads
+    back byte for byte, and after a restart so do all of them (the pages dropped were the
+    file's own: which records are done is the store's to say)."""
+    from hermes_async_memory.outbox import Outbox
+
+    directory = tmp_path / "ob"
+
+    def fresh() -> Outbox:
+        return Outbox(directory, segment_bytes=16 << 20, max_pending_turns=10**6,
+                      max_pending_bytes=2**40, overflow="defer")
+
+    payloads = [json.dumps({"n": i, "text": f"{i:06d} " * 150}).encode() for i in range(9_000)]
+    outbox = fresh()
+    outbox.open()
+    try:
+        for p in payloads:
+            outbox.append(p, 2)
+        segment = next(directory.glob("*.seg"))
+        settled = outbox.read(6_000, 2**40)
+        outbox.mark_done(settled)
+        resident = mapped_rss(segment)
+        assert resident > 8 << 20  # the ~9.5 MiB written so far are mapped in
+
+        released = outbox.release_settled()
+
+        assert released >= 6_000 * 1_000 - (1 << 20)  # the settled ~6.3 MiB, in whole pages
+        assert mapped_rss(segment) <= resident - released
+        rest = outbox.read(10_000, 2**40)
+        assert [r.payload.encode() for r in rest] == payloads[6_000:]
+        assert outbox.release_settled() == 0  # nothing newly settled: nothing to drop
+    finally:
+        outbox.close()
+    again = fresh()
+    recovery = again.open()
+    try:
+        assert recovery.records == 9_000
+        assert [r.payload.encode() for r in again.read(10_000, 2**40)] == payloads
+    finally:
+        again.close()
+
+
+async def test_the_heap_is_given_back_once_a_backlog_has_drained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a backlog drains, the maintainer gives the allocator's free memory back once,
+    and counts it; a pipeline that has not seen that much go through does not."""
+    from hermes_async_memory import maintenance
+
+    monkeypatch.setattr(maintenance, "TRIM_EVERY_BYTES", 1 << 20)
+    async with MemoryPipeline(Settings(db_path=tmp_path / "m.db")) as mem:
+        mem.sync_turn("small", "turn", session_id="s")
+        await mem.flush()
+        for i in range(2_000):
+            mem.sync_turn(f"question {i} " + "x" * 600, "answer", session_id=f"s{i % 50}")
+        assert mem.stats().heap_trims == 0
+        await mem.flush()
+        await mem.wait_until(lambda: mem.stats().heap_trims == 1, timeout=10)
+        assert mem.stats().pending_turns == 0

@@ -37,6 +37,11 @@ from .segments import Segment, map_segment, os_error, prefault, quarantine, scan
 _SPARE_AT = 0.5
 _PAGE = mmap.PAGESIZE
 _PREFAULT_BYTES = 4 * 1024 * 1024
+# Settled pages are dropped from memory once this many have gathered, this many per call
+# (mmap.madvise holds the GIL: ~50 µs a MiB).
+_RELEASE_MIN = 1024 * 1024
+_RELEASE_STEP = 1024 * 1024
+_MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _SEGMENT_OF = operator.attrgetter("segment")
 _PAYLOAD_OF = operator.attrgetter("payload")
 
@@ -65,6 +70,7 @@ class Recovery:
 class OutboxCounts:
     pending_turns: int  # accepted, not settled
     pending_bytes: int
+    settled_bytes: int  # settled since open, in all
     unread_turns: int  # accepted, not yet read by the writer
     segments: int
     quarantined_regions: int
@@ -100,6 +106,7 @@ class Outbox:
         self._pending_bytes = 0
         self._read: tuple[int, int] = (0, 0)  # the writer's cursor: (segment, offset)
         self._settled: tuple[int, int] = (0, 0)  # after the last settled record
+        self._settled_bytes = 0
         self._recovered = 0
         self._quarantined = (0, 0)
         self._lock_fd: int | None = None
@@ -319,6 +326,7 @@ class Outbox:
                 if seg is not None:
                     seg.done += n
             self._pending_bytes -= nbytes
+            self._settled_bytes += nbytes
             last = records[-1]
             self._done_seq = max(self._done_seq, last.seq)
             self._settled = (last.segment, last.offset + HEADER_BYTES + len(last.payload))
@@ -380,6 +388,7 @@ class Outbox:
             return OutboxCounts(
                 pending_turns=self._seq - self._done_seq,
                 pending_bytes=self._pending_bytes,
+                settled_bytes=self._settled_bytes,
                 unread_turns=self._seq - self._read_seq,
                 segments=len(self._segments),
                 quarantined_regions=self._quarantined[0],
@@ -447,6 +456,41 @@ class Outbox:
                 seg.populated_to = end
                 plan.append((seg.addr + start, end - start))
         return plan
+
+    def release_settled(self) -> int:
+        """Drop the settled pages of live segments from this process's memory; returns the
+        bytes dropped. Blocking: call it in a worker thread.
+
+        The writer never reads a settled record again, but its pages stay mapped until the
+        segment is deleted: a whole segment (16 MiB) of a backlog long drained, counted in
+        the process's RSS. The mapping is shared, so the bytes stay in the file; a page read
+        again (an earlier run's records at start) is read back from it.
+        """
+        if _MADV_DONTNEED is None:
+            return 0
+        with self._lock:
+            number, off = self._settled
+            ranges = []
+            for seg in self._segments.values():
+                if seg.number > number:
+                    continue
+                end = seg.offset if seg.number < number else min(off, seg.offset)
+                end -= end % _PAGE  # the page the next record starts in stays
+                if end - seg.released_to >= _RELEASE_MIN:
+                    ranges.append((seg, seg.released_to, end))
+                    seg.released_to = end
+        released = 0
+        for seg, start, end in ranges:
+            for at in range(start, end, _RELEASE_STEP):
+                length = min(_RELEASE_STEP, end - at)
+                try:
+                    # The mmap object's own call: a segment unmapped meanwhile (reaped, or the
+                    # outbox closed) raises instead of touching memory mapped in its place.
+                    seg.mm.madvise(_MADV_DONTNEED, at, length)
+                except (ValueError, OSError):
+                    break
+                released += length
+        return released
 
     @staticmethod
     def prefault(plan: list[tuple[int, int]]) -> None:

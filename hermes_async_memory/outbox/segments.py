@@ -41,6 +41,7 @@ class Segment:
     skips: dict[int, int] = field(default_factory=dict)  # damaged region -> next record
     addr: int = 0  # where the mapping starts in memory, for madvise
     populated_to: int = 0  # pages below this were faulted in ahead of the accept path
+    released_to: int = 0  # pages below this are settled and were dropped from memory
 
 
 def os_error(exc: OSError, what: str) -> Exception:

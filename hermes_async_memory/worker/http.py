@@ -96,6 +96,8 @@ _COUNTERS: tuple[tuple[str, str, _Field], ...] = (
     ("batches_committed", "Batches committed, one transaction each.",
      lambda s: s.batches_committed),
     ("rows_committed", "Messages committed.", lambda s: s.rows_committed),
+    ("heap_trims", "Times the heap's free memory went back to the system after a backlog.",
+     lambda s: s.heap_trims),
     ("commit_retries", "Writes retried because the store was busy, locked or failing.",
      lambda s: s.commit_retries),
     ("dead_letters", "Turns the store rejected, moved to the dead letters.",
