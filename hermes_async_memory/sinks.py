@@ -73,10 +73,10 @@ class ForwardSink:
         self._transactions = transactions or asyncio.Lock()
 
     async def commit(self, turns: Sequence[Turn], lease_owner: str | None) -> int:
-        batch = await build_batch(turns, self._store.source)
+        # The records as they are: the worker builds the batch it commits.
         async with self._transactions:
-            await self._store.forward_batch(batch)
-        return batch.n_messages
+            await self._store.forward_batch(turns)
+        return sum(t.n_messages for t in turns)
 
     async def held(self, keys: Sequence[str]) -> set[str]:
         return await self._store.done_keys(keys, waiting=True)

@@ -173,7 +173,7 @@ def _turn(key: str, session_id: str) -> Turn:
 
 
 async def _handed_in(store: SqliteStore, turns: list[Turn]) -> None:
-    await store.forward_batch(Batch.of(turns, "test"))
+    await store.forward_batch(turns)
 
 
 def _set_lease(db: Path, key: str, owner: str, until: float) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from .batch import Batch
+from ..slices import CHUNK, maybe_yield
+from ..turns import Turn
 from .connections import Connections, rollback
 from .sql import KEY_CHUNK, sql_literal
 
@@ -40,18 +41,24 @@ RETURNING id, key, session_id, accepted_at, payload, error
 class Inbox(Connections):
     """Handing turns in, claiming them, and the leases on them."""
 
-    async def forward_batch(self, batch: Batch) -> None:
-        """A producer's batch into the shared inbox, in accept order, in one transaction.
-        Turns the store already holds or already has waiting are skipped.
+    async def forward_batch(self, turns: Sequence[Turn]) -> None:
+        """A producer's turns into the shared inbox, in accept order, in one transaction.
+        Turns the store already holds or already has waiting are skipped. Their rows are
+        rendered a chunk at a time, the event loop running between chunks.
 
         Raises:
             sqlite3.Error: the transaction failed and was rolled back; nothing was stored.
         """
-        rows = ",".join([
-            f"({sql_literal(t.key)},{sql_literal(t.session_id)},{float(t.accepted_at)!r},"
-            f"'{t.payload}')"  # the record holds no quote (see Turn.build)
-            for t in batch.turns
-        ])
+        chunks = []
+        for i in range(0, len(turns), CHUNK):
+            if i:
+                await maybe_yield()
+            chunks.append(",".join([
+                f"({sql_literal(t.key)},{sql_literal(t.session_id)},{float(t.accepted_at)!r},"
+                f"'{t.payload}')"  # the record holds no quote (see Turn.build)
+                for t in turns[i : i + CHUNK]
+            ]))
+        rows = ",".join(chunks)
         db = self.writer
         try:
             await db.executescript("BEGIN IMMEDIATE;" + _FORWARD.format(rows=rows))
