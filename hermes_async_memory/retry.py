@@ -47,15 +47,17 @@ _RNG = random.Random()
 async def retry_transient(
     op: Callable[[], Awaitable[T]], backoff: Backoff, *,
     on_retry: Callable[[BaseException, int, float], None] | None = None,
+    max_failures: int | None = None,
 ) -> T:
     """Run ``op`` until it succeeds, waiting by ``backoff`` after each transient failure
-    (faults.classify); any other failure is raised at once."""
+    (faults.classify); any other failure, and the transient one past ``max_failures`` in a
+    row, is raised."""
     failures = 0
     while True:
         try:
             return await op()
         except Exception as exc:  # classified: only transient failures are retried
-            if classify(exc) is not Fault.TRANSIENT:
+            if classify(exc) is not Fault.TRANSIENT or failures == max_failures:
                 raise
             failures += 1
             delay = backoff.delay(failures)

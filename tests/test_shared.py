@@ -384,6 +384,44 @@ async def test_recall_requests_waiting_out_their_barrier_are_served_together_wit
         await store.aclose()
 
 
+async def test_a_busy_store_while_requests_are_served_loses_none_of_them(
+    db: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Taking the next requests finds the store locked (past a statement's busy wait) while
+    the ones taken before are still being served: it is retried, and those go on. Before,
+    the recall server restarted, which cancelled them: taken, never answered."""
+    real = SqliteStore.take_recall_requests
+    calls = 0
+
+    async def locked_after_the_first(self: SqliteStore, limit: int
+                                     ) -> list[tuple[str, str | None, str, int]]:
+        nonlocal calls
+        calls += 1
+        if 2 <= calls <= 4:
+            raise sqlite3.OperationalError("database is locked")
+        return await real(self, limit)
+
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        # A turn under another worker's live claim: every request waits out its barrier,
+        # so the first ones are still being served when the store is found locked.
+        await _handed_in(store, [_turn("held", "elsewhere")])
+        _set_lease(db, "held", "another-host:1:w", time.time() + 3600)
+        async with MemoryPipeline(shared(db, "producer")) as producer:
+            for i in range(5):
+                producer.queue_prefetch(f"question {i}", session_id=f"s{i}", user_id="u")
+            await producer.flush()
+            monkeypatch.setattr(SqliteStore, "take_recall_requests", locked_after_the_first)
+            async with MemoryPipeline(shared(db, "worker")) as worker:
+                await eventually(worker, lambda: worker.stats().recalls_served == 5,
+                                 "every request answered")
+                assert calls > 4
+                assert worker.stats().part_restarts == 0
+    finally:
+        await store.aclose()
+
+
 async def test_a_worker_prunes_recall_results_no_producer_will_read(db: Path) -> None:
     """Results are read within milliseconds of being written; before, they were kept for
     ever, one row per session that ever asked."""

@@ -18,11 +18,13 @@ import structlog
 from ..errors import describe
 from ..recall.cache import CacheKey, RecallCache
 from ..recall.service import RECALL_BARRIER_S, LocalRecaller, Recalled
+from ..retry import Backoff, retry_transient
 from ..store import SqliteStore
 
 log = structlog.get_logger(__name__)
 
 REQUESTS_PER_ROUND = 64
+TAKE_RETRIES = 8  # transient failures in a row taking requests before the part restarts
 RESULTS_KEPT_S = 600.0
 
 
@@ -90,6 +92,7 @@ class RecallServer:
         self._recaller = recaller
         self._poll_s = poll_s
         self._slots = anyio.Semaphore(concurrency)
+        self._backoff = Backoff()
         self.served = 0
         self.errors = 0
         self.in_flight = 0  # requests being served, their barrier waits included
@@ -102,7 +105,13 @@ class RecallServer:
                 await self._slots.acquire()
                 # This slot, and every other one free now: never more than can start at once.
                 free = 1 + self._slots.value
-                requests = await self._store.take_recall_requests(min(free, REQUESTS_PER_ROUND))
+                limit = min(free, REQUESTS_PER_ROUND)
+                # A write lock held past the statement's busy wait is retried here, the
+                # requests being served going on; a lasting one restarts the part (loudly),
+                # which cancels them.
+                requests = await retry_transient(
+                    lambda: self._store.take_recall_requests(limit),  # noqa: B023
+                    self._backoff, max_failures=TAKE_RETRIES)
                 if not requests:
                     self._slots.release()
                     await anyio.sleep(self._poll_s)  # another process's progress: poll it
