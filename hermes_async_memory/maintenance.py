@@ -92,6 +92,7 @@ class Maintenance:
         self._prune_next = 0.0
         self._trimmed_at = 0  # the outbox's settled bytes when the heap was last given back
         self.heap_trims = 0
+        self._accepted_seen = -1  # the outbox's accepted count at the last round
         conditions.on_clear(DISK_FULL_STORE, self._after_full_disk)
 
     def _after_full_disk(self) -> None:
@@ -153,11 +154,14 @@ class Maintenance:
         allocates beside the loop's: the C allocator keeps the freed memory, fragmented
         between live objects, as its own. Held by an idle process, that was most of the
         backlog's peak (50 of 233 MiB after 100,000 turns of 2 KB). ``malloc_trim`` gives
-        back every free page; it runs when the outbox is empty (nothing to hurry) and after
-        enough records went through for it to matter, in a worker thread.
+        back every free page. It runs in a worker thread, but it holds each arena's lock while it
+        walks it, and the loop's own allocations would wait: so only once the outbox is empty
+        and no turn came in since the last round (the traffic has stopped, not paused), after
+        enough records went through for it to matter.
         """
-        counts = self.outbox.counts()
-        if (_malloc_trim is None or counts.pending_turns
+        counts, accepted = self.outbox.counts(), self.outbox.accepted()
+        quiet, self._accepted_seen = accepted == self._accepted_seen, accepted
+        if (_malloc_trim is None or counts.pending_turns or not quiet
                 or counts.settled_bytes - self._trimmed_at < TRIM_EVERY_BYTES):
             return
         self._trimmed_at = counts.settled_bytes
