@@ -58,6 +58,15 @@ class Worker:
         self._eof = True
         self._line.set()
 
+    async def until(self, check: Callable[[], bool], timeout_s: float) -> None:
+        """Wait until ``check()`` holds: checked now and after each of the worker's log lines
+        (a commit logs one once it is done), never on a timer."""
+        with anyio.fail_after(timeout_s):
+            while not check():
+                if self._eof:
+                    raise AssertionError(f"the worker exited first: {self.logs[-5:]}")
+                await self._line.wait()
+
     async def log_line(self, event: str, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         """Wait for the log line of ``event``."""
         seen = 0

@@ -145,9 +145,8 @@ async def test_three_producers_one_worker_killed_mid_batch_lose_nothing(
     assert all(done for _, _, done in results)
     assert len(acked) == PRODUCERS * TURNS
 
-    with anyio.fail_after(WAIT_S):  # the second worker drains what the producers handed in
-        while count(db, "SELECT count(*) FROM inbox") > 0:  # noqa: ASYNC110 - another process
-            await anyio.sleep(0.05)
+    # The second worker drains what the producers handed in.
+    await second.until(lambda: count(db, "SELECT count(*) FROM inbox") == 0, WAIT_S)
     second.signal(signal.SIGTERM)
     assert await second.finish() == 0
     # The killed worker's claims were taken back at once (its process is gone), not after
@@ -258,9 +257,8 @@ async def test_per_session_order_holds_across_producer_kills_and_restarts_into_a
     assert moved, f"some producer restarted into another slot: {slots}"
     assert handed_in, "restarted producers handed in turns their killed runs left"
 
-    with anyio.fail_after(WAIT_S):  # the worker drains what was handed in
-        while count(db, "SELECT count(*) FROM inbox") > 0:  # noqa: ASYNC110 - another process
-            await anyio.sleep(0.05)
+    # The worker drains what was handed in.
+    await worker.until(lambda: count(db, "SELECT count(*) FROM inbox") == 0, WAIT_S)
     worker.signal(signal.SIGTERM)
     assert await worker.finish() == 0
 

@@ -97,16 +97,31 @@ async def test_flush_waiters_are_told_at_once_when_the_pipeline_fails(tmp_path: 
         assert len(outcome) == 2 and all(e is mem.failure for e in outcome)
 
 
-async def test_a_part_failing_for_a_transient_cause_is_restarted_with_backoff(
-    tmp_path: Path,
-) -> None:
-    """A part that hits a locked database (a real SQLITE_BUSY) is restarted, not lost; one
-    that fails for any other cause fails the pipeline, named."""
+def locked_db(tmp_path: Path) -> tuple[Path, sqlite3.Connection]:
+    """A database file, and a connection holding its write lock (a real SQLITE_BUSY)."""
     db = tmp_path / "busy.db"
     holder = sqlite3.connect(db, isolation_level=None)
     holder.execute("PRAGMA journal_mode = WAL")
     holder.execute("CREATE TABLE t (x)")
     holder.execute("BEGIN IMMEDIATE")
+    return db, holder
+
+
+async def run_until(supervisor: Supervisor, done: anyio.Event) -> None:
+    """Run the supervisor's parts until ``done``."""
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(supervisor.run)
+            await done.wait()
+            tg.cancel_scope.cancel()
+
+
+async def test_a_part_failing_for_a_transient_cause_is_restarted_with_backoff(
+    tmp_path: Path,
+) -> None:
+    """A part that hits a locked database (a real SQLITE_BUSY) is restarted, not lost; one
+    that fails for any other cause fails the pipeline, named."""
+    db, holder = locked_db(tmp_path)
     tries: list[float] = []
     done = anyio.Event()
     failures: list[PipelineFailedError] = []
@@ -130,11 +145,7 @@ async def test_a_part_failing_for_a_transient_cause_is_restarted_with_backoff(
                             on_failure=failures.append)
     supervisor.add("writes", writes)
     supervisor.add("breaks", breaks)
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(supervisor.run)
-            await done.wait()
-            tg.cancel_scope.cancel()
+    await run_until(supervisor, done)
     holder.close()
     assert supervisor.restarts["writes"] == 2
     assert tries[1] - tries[0] >= 0.01 and tries[2] - tries[1] >= 0.02, "it backed off"
@@ -149,11 +160,7 @@ async def test_a_part_with_a_task_group_of_its_own_is_judged_by_what_failed_insi
     """A part that runs a task group raises an exception group. A busy store inside one is
     still transient (restarted), and a failure names the error inside, not the group: the
     recall server's locked-store error once failed the whole worker as an "ExceptionGroup"."""
-    db = tmp_path / "busy.db"
-    holder = sqlite3.connect(db, isolation_level=None)
-    holder.execute("PRAGMA journal_mode = WAL")
-    holder.execute("CREATE TABLE t (x)")
-    holder.execute("BEGIN IMMEDIATE")
+    db, holder = locked_db(tmp_path)
     tries: list[int] = []
     done = anyio.Event()
     failures: list[PipelineFailedError] = []
@@ -181,11 +188,7 @@ async def test_a_part_with_a_task_group_of_its_own_is_judged_by_what_failed_insi
                             on_failure=failures.append)
     supervisor.add("grouped_writes", grouped_writes)
     supervisor.add("grouped_bug", grouped_bug)
-    with anyio.fail_after(10):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(supervisor.run)
-            await done.wait()
-            tg.cancel_scope.cancel()
+    await run_until(supervisor, done)
     holder.close()
     assert supervisor.restarts["grouped_writes"] == 1
     assert [f.part for f in failures] == ["grouped_bug"]

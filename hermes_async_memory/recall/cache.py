@@ -123,28 +123,12 @@ class RecallCache:
 
     # -- writes (event loop) -----------------------------------------------------------
 
-    def note_commit(self, user_id: str | None, session_id: str, key: str,
-                    user_text: str, assistant_text: str, now: float) -> None:
-        entry = self._touch((user_id, session_id))
-        limit = self._recent_chars
-        entry.recent.append((key, _clip(user_text, limit), _clip(assistant_text, limit)))
-        entry.last_turn_key = key
-        entry.turns_committed += 1
-        entry.committed_mono = now
-        entry.version += 1
-        self.on_change()
-
     def note_commits(self, turns: Sequence[Turn], now: float) -> None:
-        """``note_commit`` for each of a batch's turns, in order, with one ``on_change``
-        after them all (the writer's path: ~1 µs a turn less than one call each)."""
-        entries, limit, touch = self._entries, self._recent_chars, self._touch
+        """A committed batch's turns, in order, into their sessions' recent turns, with one
+        ``on_change`` after them all."""
+        limit, touch = self._recent_chars, self._touch
         for t in turns:
-            key = (t.user_id, t.session_id)
-            entry = entries.get(key)
-            if entry is None:
-                entry = touch(key)
-            else:
-                entries.move_to_end(key)  # in place: a reader on another thread still finds it
+            entry = touch((t.user_id, t.session_id))
             entry.recent.append((t.key, _clip(t.user_text, limit),
                                  _clip(t.assistant_text, limit)))
             entry.last_turn_key = t.key
