@@ -32,6 +32,7 @@ A stall with none of these is the loop thread waiting for the GIL or a CPU.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import gc
@@ -41,7 +42,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -84,8 +84,10 @@ LIBRARY = "hermes_async_memory"
 
 @dataclass
 class Probe:
-    lateness_s: list[float] = field(default_factory=list)
-    wakes: list[float] = field(default_factory=list)  # perf_counter at each wake-up
+    # Arrays, not lists: a list of 20,000 floats is 20,000 references that every full
+    # collection in the run walks, a cost of the instrument that the pipeline would be charged.
+    lateness_s: array.array[float] = field(default_factory=lambda: array.array("d"))
+    wakes: array.array[float] = field(default_factory=lambda: array.array("d"))
     last_wake: float = 0.0
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -242,9 +244,15 @@ class Attribution:
             frame = sys._current_frames().get(self._loop_thread)
             if frame is None:
                 continue
-            stack = traceback.extract_stack(frame)[-STACK_DEPTH:]
-            text = " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
-                              for f in reversed(stack))
+            # Read off the frames themselves: the traceback module would load each file's
+            # source lines (linecache), thousands of objects every full collection then scans.
+            where: list[str] = []
+            while frame is not None and len(where) < STACK_DEPTH:
+                code = frame.f_code
+                where.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} "
+                             f"{code.co_name}")
+                frame = frame.f_back
+            text = " < ".join(where)
             busy = [f"{threads[i]} {u / wall:.0%}" for i, u in used.items()
                     if i != self._loop_thread and u / wall >= 0.2]
             self.samples.append(Sample(at, text, used.get(self._loop_thread, 0.0) / wall,
@@ -398,12 +406,15 @@ async def load(mem: MemoryPipeline, stop: asyncio.Event, data: Inputs) -> dict[s
 
 
 async def idle(duration_s: float) -> Probe:
+    # Under the same instruments as the busy run: the watchdog thread takes the GIL every
+    # 0.5 ms and the callback timer costs each callback a little, on the idle loop as well.
     probe = Probe()
     stop = asyncio.Event()
-    task = asyncio.ensure_future(probe.run(stop))
-    await asyncio.sleep(duration_s)
-    stop.set()
-    await task
+    with Attribution(probe):
+        task = asyncio.ensure_future(probe.run(stop))
+        await asyncio.sleep(duration_s)
+        stop.set()
+        await task
     return probe
 
 
@@ -456,7 +467,7 @@ async def busy(d: Path, duration_s: float, corpus: Corpus
     return probe, attribution, counts, work
 
 
-def stats(lateness: list[float]) -> dict[str, float]:
+def stats(lateness: list[float] | array.array[float]) -> dict[str, float]:
     xs = sorted(lateness)
     n = len(xs)
 
@@ -480,7 +491,7 @@ async def main() -> list[Result]:
         probe, attribution, counts, work = await busy(d, duration, corpus)
         tracked = len(gc.get_objects())
     idle_after = await idle(duration / 2)
-    base = stats(idle_before.lateness_s + idle_after.lateness_s)
+    base = stats([*idle_before.lateness_s, *idle_after.lateness_s])
     got = stats(probe.lateness_s)
     print("load: " + ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())))
     print("pipeline work: " + ", ".join(f"{k} {v:,}" for k, v in work.items()))
