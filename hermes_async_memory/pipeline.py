@@ -40,6 +40,7 @@ from .errors import (
     PipelineFailedError,
     describe,
 )
+from .memory import KeyValueMemory
 from .metrics import PipelineObserver
 from .parts import Parts, build_parts, collect_stats
 from .recall.cache import PrefetchStatus, RecallCache
@@ -97,6 +98,8 @@ class MemoryPipeline:
         self.meter = Meter()
         self._changed = asyncio.Event()  # set, and replaced, after each change: wait_until()
         self.cache.on_change = self.changed
+        # Key-value memory per user, through the same outbox as turns (see ``memory``).
+        self.memory = KeyValueMemory(self)
         self._parts: Parts | None = None
         self._state = NEW
         self._failure: PipelineFailedError | None = None
@@ -155,6 +158,16 @@ class MemoryPipeline:
     def state(self) -> str:
         """"new", "open", "failed", "closing" or "closed"."""
         return "failed" if self._failure is not None and self._state == OPEN else self._state
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the pipeline runs on, once started."""
+        return self._loop
+
+    @property
+    def loop_thread(self) -> int:
+        """The ident of the thread that runs ``loop``."""
+        return self._loop_thread
 
     @property
     def outbox_dir(self) -> Path | None:
@@ -229,22 +242,36 @@ class MemoryPipeline:
             DiskFullError: no space to make the turn durable; nothing was stored.
             PipelineClosedError: the pipeline is not open.
         """
-        parts = self._accepting()
+        self._accepting()
         _check_ids(session_id, user_id)
-        key = f"{self._key_prefix}-{next(self._key_counter):x}"
-        accepted_at = time.time()
+        key, accepted_at = self.new_key(), time.time()
         data, n_messages, sanitized = encode_turn(
             key, session_id, user_id, accepted_at, user_content, assistant_content, messages,
             metadata, self.settings.max_turn_bytes)
         self.sanitized += sanitized
+        return self.accept_record(key, session_id, accepted_at, data, n_messages)
+
+    def new_key(self) -> str:
+        """A fresh record key: unique to this pipeline and process."""
+        return f"{self._key_prefix}-{next(self._key_counter):x}"
+
+    def accept_record(self, key: str, lane: str, accepted_at: float, data: bytes,
+                      n_messages: int = 0) -> Receipt:
+        """Append an encoded record (a turn, or an operation in its lane) to the outbox:
+        durable when this returns. Any thread; the ids were checked by the caller.
+
+        Raises:
+            QueueFullError, DiskFullError, PipelineClosedError: as ``sync_turn``.
+        """
+        parts = self._accepting()
         try:
             seq, deferred = parts.outbox.append(data, n_messages)
         except DiskFullError as exc:
             self.conditions.set(DISK_FULL, describe(exc))
             raise
-        self.barrier.note_accepted(session_id, seq)
+        self.barrier.note_accepted(lane, seq)
         self._on_loop(parts.writer.wake)
-        return Receipt(key, session_id, seq, accepted_at, deferred)
+        return Receipt(key, lane, seq, accepted_at, deferred)
 
     def queue_prefetch(self, query: str, *, session_id: str, user_id: str | None = None
                        ) -> None:
@@ -324,14 +351,17 @@ class MemoryPipeline:
             PipelineFailedError: the pipeline failed (at once, or while waiting).
             PipelineClosedError: the pipeline is not open, or closed while waiting.
         """
+        if session_id is not None:
+            check_id("session_id", session_id)
+        await self.flush_lane(session_id, timeout)
+
+    async def flush_lane(self, lane: str | None, timeout: float | None = None  # noqa: ASYNC109
+                         ) -> None:
+        """``flush``, for a session or an operations' lane (unchecked), or everything."""
         if self._failure is not None:
             raise self._failure
         parts = self._accepting()
-        if session_id is not None:
-            check_id("session_id", session_id)
-            target = self.barrier.session_target(session_id)
-        else:
-            target = parts.outbox.accepted()
+        target = parts.outbox.accepted() if lane is None else self.barrier.session_target(lane)
         if self.barrier.settled >= target:
             return
         parts.writer.hurry()

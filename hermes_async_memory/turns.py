@@ -30,6 +30,12 @@ _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=
 _scan_once: Callable[[str, int], tuple[Any, int]] = (
     json.JSONDecoder().scan_once)  # type: ignore[attr-defined]
 _NULL = "null"
+TURN = "turn"
+OP_KV = "kv"  # a key-value memory write: put or delete one entry of a user's
+OP_KINDS = frozenset({OP_KV})
+# Operations are ordered in lanes, as turns are in their session: a user's key-value writes in
+# the lane "\x01kv\x01<user>". No id may hold "\x01", so a lane is never a session's id.
+LANE_MARK = "\x01"
 _DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":[%s],"d":%s}'
 
 
@@ -69,6 +75,9 @@ class Turn(NamedTuple):
     input_tokens: int
     output_tokens: int
     has_nul: bool
+    # What the record is: a turn (TURN), or an operation through the same durable path (a
+    # key-value write, OP_KV; see ``ops``), which has no messages and a lane for session id.
+    kind: str = "turn"
 
     @classmethod
     def build(
@@ -102,6 +111,8 @@ class Turn(NamedTuple):
             doc = json.loads(payload)  # not JSON, or trailing text: the full reader says why
         if type(doc) is not dict:
             raise TypeError("the record is not a JSON object")
+        if "x" in doc:
+            return cls._op_of(doc, payload, segment, seq)
         key, session_id, user_id, at, messages = doc["k"], doc["s"], doc["u"], doc["t"], doc["m"]
         if type(key) is not str or type(session_id) is not str:
             raise TypeError("the record's key or session id is not a string")
@@ -151,8 +162,29 @@ class Turn(NamedTuple):
             tool_calls, user[:_TEXT_KEPT] if len(user) > _TEXT_KEPT else user,
             assistant[:_TEXT_KEPT] if len(assistant) > _TEXT_KEPT else assistant,
             source, model, parent, tokens_in, tokens_out,
-            "\\u0000" in payload,
+            "\\u0000" in payload, TURN,
         ))
+
+    @classmethod
+    def _op_of(cls, doc: dict[str, Any], payload: str, segment: int, seq: int) -> Turn:
+        """An operation's record (``ops``): checked here, as a turn's is, so that a record no
+        part can apply is dead-lettered at decode and never reaches a commit."""
+        kind, key, lane, user_id, at = doc["x"], doc["k"], doc["s"], doc["u"], doc["t"]
+        if kind not in OP_KINDS:
+            raise ValueError(f"unknown record kind {kind!r:.40}")
+        if type(key) is not str or type(lane) is not str or type(user_id) is not str:
+            raise TypeError("the operation's key, lane or user id is not a string")
+        if not isinstance(at, (int, float)):
+            raise TypeError("the operation's time is not a number")
+        if doc["o"] not in ("put", "del") or type(doc["n"]) is not str:
+            raise TypeError("the operation's action or entry key is mistyped")
+        if doc["o"] == "put" and type(doc["v"]) is not str:
+            raise TypeError("the operation's value is not a string")
+        if "\\u0000" in payload:  # refused at accept: SQLite's JSON functions cut text there
+            raise ValueError("the operation holds U+0000")
+        return tuple.__new__(cls, (
+            key, seq, lane, user_id, float(at), payload, len(payload), segment, 0, 0, "", "",
+            None, None, None, 0, 0, False, kind))
 
     def encode(self) -> bytes:
         """The outbox record (ASCII JSON)."""
@@ -175,7 +207,7 @@ class Turn(NamedTuple):
              accepted_at: float = 0.0) -> Turn:
         """A turn that holds only where it came from: for a record that does not decode."""
         return tuple.__new__(cls, (key, seq, session_id, None, accepted_at, "", 0, segment, 0,
-                                   0, "", "", None, None, None, 0, 0, False))
+                                   0, "", "", None, None, None, 0, 0, False, TURN))
 
 
 def encode_payload(
@@ -290,6 +322,8 @@ def check_id(name: str, value: object, *, optional: bool = False) -> str | None:
         raise InvalidTurnError(f"{name} is longer than 512 characters")
     if "\x00" in value:
         raise InvalidTurnError(f"{name} holds a NUL character")
+    if LANE_MARK in value:
+        raise InvalidTurnError(f"{name} holds the reserved character \\x01")
     if not value.isascii():
         try:
             value.encode("utf-8")

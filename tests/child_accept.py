@@ -2,7 +2,9 @@
 
     python child_accept.py DB MODE
 
-MODE "accept": accept forever. "in-commit": the first batch's transaction stays open (the
+MODE "accept": accept forever. "kv": key-value writes forever, for three users: each step
+``i`` stores ``k<i>`` and then ``counter`` = i, and every third step deletes ``k<i-1>``.
+"in-commit": the first batch's transaction stays open (the
 writer is stuck inside it) while accepting goes on. "after-commit": the first batch commits,
 then the writer stops before the outbox learns it. Each receipt line is printed only after
 sync_turn returned, so a printed key is an acknowledged, durable turn.
@@ -42,6 +44,8 @@ class FrozenStore(SqliteStore):
 async def main(db: str, mode: str) -> None:
     settings = Settings(db_path=Path(db), max_batch=200, max_queued_turns=2000)
     async with MemoryPipeline(settings, store=FrozenStore(Path(db), mode)) as mem:
+        if mode == "kv":
+            await key_values(mem)
         i = 0
         while True:
             session = f"s{i % 7}"
@@ -51,6 +55,21 @@ async def main(db: str, mode: str) -> None:
             i += 1
             if i % 25 == 0:
                 await asyncio.sleep(0)
+
+
+async def key_values(mem: MemoryPipeline) -> None:
+    i = 0
+    while True:
+        for user in ("ann", "bob", "cy"):
+            r = mem.memory.store_nowait(user, f"k{i}", f"value {i}", {"step": i})
+            mem.memory.store_nowait(user, "counter", str(i))
+            if i % 3 == 2:
+                mem.memory.delete_nowait(user, f"k{i - 1}")
+            sys.stdout.write(f"ACK {r.key} {user} {i}\n")
+        sys.stdout.flush()
+        i += 1
+        if i % 10 == 0:
+            await asyncio.sleep(0)
 
 
 if __name__ == "__main__":

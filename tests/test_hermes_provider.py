@@ -28,6 +28,7 @@ from hermes_async_memory import (
 from hermes_async_memory.hermes import config as hconfig
 from hermes_async_memory.hermes.provider import SEARCH_TOOL, this_turn
 from hermes_async_memory.hermes.runtime import Runtime
+from hermes_async_memory.memory import MEMORY_TOOL
 
 from .helpers import stored_turns
 
@@ -431,6 +432,69 @@ def test_tool_errors_are_json_never_raised(home: Path) -> None:
     finally:
         p.shutdown()
     assert "error" in json.loads(p.handle_tool_call(SEARCH_TOOL, {"query": "x"}))
+
+
+def test_the_memory_tool_stores_and_finds_entries_across_sessions(home: Path) -> None:
+    p = HermesMemoryProvider()
+    assert MEMORY_TOOL in [t["name"] for t in p.get_tool_schemas()]
+    p.initialize("s1", hermes_home=str(home), platform="cli", agent_identity="coder")
+    try:
+        def call(args: object) -> dict[str, Any]:
+            result: dict[str, Any] = json.loads(p.handle_tool_call(MEMORY_TOOL, args))  # type: ignore[arg-type]
+            return result
+
+        assert call({"action": "store", "key": "editor", "value": "helix, modal editing",
+                     "metadata": {"why": "asked"}})["stored"] is True
+        got = call({"action": "retrieve", "key": "editor"})
+        assert got["found"] and got["entry"]["value"] == "helix, modal editing"
+        assert got["entry"]["user_id"] == "local:coder"
+        assert got["entry"]["metadata"] == {"why": "asked"}
+        assert [e["key"] for e in call({"action": "query", "query": "modal"})["entries"]] == [
+            "editor"]
+        assert call({"action": "list"})["keys"] == ["editor"]
+        info = call({"action": "info"})
+        assert (info["backend"], info["is_cloud"], info["entries"]) == ("local (SQLite)", False,
+                                                                       1)
+    finally:
+        p.shutdown()
+    # Another session of the same user, after a restart.
+    p = HermesMemoryProvider()
+    p.initialize("s2", hermes_home=str(home), platform="cli", agent_identity="coder")
+    try:
+        assert json.loads(p.handle_tool_call(MEMORY_TOOL, {"action": "retrieve", "key": "editor"})
+                          )["entry"]["value"] == "helix, modal editing"
+        assert json.loads(p.handle_tool_call(MEMORY_TOOL, {"action": "delete", "key": "editor"})
+                          )["deleted"] is True
+        assert json.loads(p.handle_tool_call(MEMORY_TOOL, {"action": "list"}))["keys"] == []
+    finally:
+        p.shutdown()
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (None, "arguments must be a JSON object, got null"),
+    ("not json", "arguments must be a JSON object"),
+    ([1, 2], "arguments must be a JSON object, got list"),
+    ({}, "action must be one of"),
+    ({"action": "drop"}, "action must be one of"),
+    ({"action": "store", "key": "k"}, "needs the argument 'value'"),
+    ({"action": "store", "key": 7, "value": "v"}, "key must be a non-empty string, got int"),
+    ({"action": "store", "key": "k", "value": ["v"]}, "value must be a string, got list"),
+    ({"action": "store", "key": "k", "value": "v", "metadata": "x"}, "metadata must be"),
+    ({"action": "store", "key": "k", "value": "v", "colour": 1}, "takes no argument colour"),
+    ({"action": "retrieve"}, "needs the argument 'key'"),
+    ({"action": "query", "query": 5}, "query must be a string, got int"),
+    ({"action": "query", "query": "x", "limit": 0}, "limit must be an integer from 1 to 100"),
+    ({"action": "query", "query": "x", "limit": "3"}, "limit must be an integer"),
+    ({"action": "delete", "key": ""}, "key must be a non-empty string"),
+    ({"action": "query", "query": 'NEAR("x" AND'}, None),  # user text is data: no error
+])
+def test_memory_tool_calls_with_bad_arguments_return_json_errors(
+        provider: HermesMemoryProvider, args: object, says: str | None) -> None:
+    out = json.loads(provider.handle_tool_call(MEMORY_TOOL, args))  # type: ignore[arg-type]
+    if says is None:
+        assert out["ok"] is True and out["entries"] == []
+    else:
+        assert out["ok"] is False and says in out["error"]
 
 
 def test_calls_before_initialize_or_after_shutdown(home: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from hermes_async_memory import MemoryPipeline, Settings
-from hermes_async_memory.store import Batch, SqliteStore
+from hermes_async_memory.store import SCHEMA_VERSION, Batch, SqliteStore
 from hermes_async_memory.store.connections import rollback
 from hermes_async_memory.turns import Turn
 
@@ -163,9 +163,10 @@ async def test_a_rollback_that_leaves_a_transaction_open_is_logged_with_its_trac
         ("store_rollback_failed", "error", True)]
 
 
-async def test_a_version_1_store_is_brought_to_version_2_at_open(tmp_path: Path) -> None:
+async def test_a_version_1_store_is_brought_up_to_date_at_open(tmp_path: Path) -> None:
     """Version 1 keyed recall requests and results by session alone; its rows are passing
-    state, so the upgrade makes the tables anew, keyed by (session, user)."""
+    state, so the upgrade makes the tables anew, keyed by (session, user). Version 3 adds the
+    key-value memory's tables."""
     db = tmp_path / "m.db"
     async with MemoryPipeline(Settings(db_path=db)) as mem:
         mem.sync_turn("kept", "as is", session_id="s", user_id="u")
@@ -178,6 +179,7 @@ async def test_a_version_1_store_is_brought_to_version_2_at_open(tmp_path: Path)
             query TEXT NOT NULL, block TEXT NOT NULL, version INTEGER NOT NULL,
             updated_at REAL NOT NULL);
         INSERT INTO recall_requests VALUES ('default', 'a', 'q', 0, 0);
+        DROP TABLE memories; DROP TABLE memories_fts;
         UPDATE schema_version SET version = 1;
     """)
     conn.close()
@@ -192,8 +194,9 @@ async def test_a_version_1_store_is_brought_to_version_2_at_open(tmp_path: Path)
         assert sorted((q, s, u) for s, u, q, _ in taken) == [
             ("first", "default", "a"), ("second", "default", "b"), ("third", "default", None)]
         assert [m["content"] for m in await store.get_messages("s")] == ["kept", "as is"]
+        assert await store.memory_counts() == (0, 0)
     finally:
         await store.aclose()
     conn = sqlite3.connect(db)
-    assert conn.execute("SELECT version FROM schema_version").fetchone() == (2,)
+    assert conn.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)
     conn.close()

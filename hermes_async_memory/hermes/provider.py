@@ -36,6 +36,7 @@ from ..errors import (
     PipelineClosedError,
     describe,
 )
+from ..memory import MEMORY_SCHEMA, MEMORY_TOOL, call_memory_tool
 from ..settings import Settings
 from . import config as _config
 from .runtime import Runtime, acquire, release
@@ -261,10 +262,17 @@ class HermesMemoryProvider(_ProviderBase):
     # -- tools -------------------------------------------------------------------------
 
     def get_tool_schemas(self) -> list[dict[str, Any]]:
-        return [SEARCH_SCHEMA]
+        return [SEARCH_SCHEMA, MEMORY_SCHEMA]
 
     def handle_tool_call(self, tool_name: str, args: dict[str, Any], **kwargs: Any) -> str:
         """Run a tool; the result (or the error) is a JSON string. Never raises."""
+        if tool_name == MEMORY_TOOL:
+            user = self._user_id
+            try:
+                return self._require_runtime().call(
+                    lambda p: call_memory_tool(p.memory, user, args), TOOL_TIMEOUT_S)
+            except (HermesMemoryError, TimeoutError) as exc:
+                return _json_error(f"{MEMORY_TOOL} failed: {type(exc).__name__}: {exc}")
         if tool_name != SEARCH_TOOL:
             return _json_error(f"{PROVIDER_NAME} has no tool named {tool_name!r}")
         if not isinstance(args, Mapping):

@@ -128,6 +128,8 @@ class RecallCache:
         ``on_change`` after them all."""
         limit, touch = self._recent_chars, self._touch
         for t in turns:
+            if t.kind != "turn":  # an operation (a key-value write): no session's turn
+                continue
             entry = touch((t.user_id, t.session_id))
             entry.recent.append((t.key, _clip(t.user_text, limit),
                                  _clip(t.assistant_text, limit)))

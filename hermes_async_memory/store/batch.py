@@ -10,7 +10,8 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..turns import Turn
+from ..turns import TURN, Turn
+from .memories import op_statements
 from .sql import sql_literal
 
 # A big token count is written as an integer and read back by SQLite as a real, as the old
@@ -108,6 +109,7 @@ class Batch:
         # Turns claimed from the shared inbox: their rows, and the lease they are under.
         self.inbox_ids: list[int] = []
         self.lease_owner: str | None = None
+        self.ops: list[Turn] = []  # key-value records, in batch order
 
     @classmethod
     def of(cls, turns: Sequence[Turn], source: str) -> Batch:
@@ -118,9 +120,13 @@ class Batch:
     def __len__(self) -> int:
         return len(self.turns)
 
-    def add(self, turns: Sequence[Turn]) -> None:
+    def add(self, items: Sequence[Turn]) -> None:
         self._session_json = None
-        self.turns.extend(turns)
+        self.turns.extend(items)
+        turns: Sequence[Turn] = items
+        if any([t.kind != TURN for t in items]):  # operations: applied by their statements
+            self.ops.extend([t for t in items if t.kind != TURN])
+            turns = [t for t in items if t.kind == TURN]
         sessions = self._sessions
         for t in turns:
             row = sessions.get(t.session_id)
@@ -231,6 +237,8 @@ class Batch:
                                upto=upto)
             for segment, after, upto in self.segment_runs(0)
         ]
+        if self.ops:
+            script += op_statements(self.ops, now_sql)
         return script
 
     def lease_statements(self) -> list[str]:

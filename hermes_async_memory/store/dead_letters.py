@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import StoreError
-from ..turns import Turn
+from ..turns import TURN, Turn
 from .batch import INSERT_MESSAGE_ROW, Batch
 from .connections import Connections, rollback
 
@@ -134,6 +134,6 @@ def _dead_turn(key: str, segment: int, payload: bytes | str | None) -> Turn:
     turn = Turn.decode(record, segment=int(segment))
     if turn.key != key:
         raise ValueError(f"the payload is turn {turn.key!r}, not {key!r}")
-    if turn.n_messages == 0:
+    if turn.n_messages == 0 and turn.kind == TURN:
         raise ValueError("the turn holds no messages")
     return turn

@@ -9,7 +9,8 @@ import aiosqlite
 from ..errors import StoreError
 
 # 2: recall requests and results are keyed by (session, user), not by session alone.
-SCHEMA_VERSION = 2
+# 3: key-value memory (memories, memories_fts); new tables only.
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -120,6 +121,38 @@ CREATE TABLE IF NOT EXISTS replica_outbox (
 CREATE INDEX IF NOT EXISTS idx_replica_outbox_open ON replica_outbox(backend, status, id);
 CREATE INDEX IF NOT EXISTS idx_replica_outbox_session
     ON replica_outbox(backend, status, session_id, id);
+-- Key-value memory, per user: written only by commits of key-value records (see batch).
+CREATE TABLE IF NOT EXISTS memories (
+    id INTEGER PRIMARY KEY,
+    user_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value TEXT NOT NULL,
+    metadata TEXT,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    scope TEXT NOT NULL,
+    UNIQUE (user_id, key)
+);
+CREATE INDEX IF NOT EXISTS idx_memories_updated ON memories(user_id, updated_at DESC);
+CREATE VIRTUAL TABLE IF NOT EXISTS memories_fts USING fts5(
+    key, value, scope,
+    content='memories', content_rowid='id',
+    tokenize='unicode61 remove_diacritics 2'
+);
+CREATE TRIGGER IF NOT EXISTS memories_fts_insert AFTER INSERT ON memories BEGIN
+    INSERT INTO memories_fts(rowid, key, value, scope)
+    VALUES (new.id, new.key, new.value, new.scope);
+END;
+CREATE TRIGGER IF NOT EXISTS memories_fts_delete AFTER DELETE ON memories BEGIN
+    INSERT INTO memories_fts(memories_fts, rowid, key, value, scope)
+    VALUES ('delete', old.id, old.key, old.value, old.scope);
+END;
+CREATE TRIGGER IF NOT EXISTS memories_fts_update AFTER UPDATE ON memories BEGIN
+    INSERT INTO memories_fts(memories_fts, rowid, key, value, scope)
+    VALUES ('delete', old.id, old.key, old.value, old.scope);
+    INSERT INTO memories_fts(rowid, key, value, scope)
+    VALUES (new.id, new.key, new.value, new.scope);
+END;
 """
 _ADDED_COLUMNS = (
     ("recall_results", "source", "TEXT NOT NULL DEFAULT 'local'"),
@@ -157,8 +190,11 @@ async def migrate(db: aiosqlite.Connection, path: Path) -> None:
         raise StoreError(
             f"{path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
         )
-    elif row[0] < 2:
-        await _rekey_recalls(db)
+    elif row[0] < SCHEMA_VERSION:
+        if row[0] < 2:
+            await _rekey_recalls(db)
+        # Version 3 only added tables, which the schema script just created.
+        await db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
     await add_missing_columns(db)
     await db.commit()
     await db.executescript(LEASE_GUARD)
@@ -178,7 +214,7 @@ async def check_tables(db: aiosqlite.Connection) -> None:
     """One cheap read of every table: a damaged page behind them shows now, not later."""
     for query in ("SELECT max(rowid) FROM sessions", "SELECT max(id) FROM messages",
                   "SELECT max(key) FROM outbox", "SELECT max(id) FROM inbox",
-                  "SELECT max(id) FROM replica_outbox"):
+                  "SELECT max(id) FROM replica_outbox", "SELECT max(id) FROM memories"):
         async with db.execute(query) as cur:
             await cur.fetchone()
 

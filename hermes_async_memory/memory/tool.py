@@ -1,0 +1,130 @@
+"""The ``memory`` tool (seed 000's ``memory_backend``): a model stores, retrieves, searches,
+lists and deletes the user's key-value entries, and asks what backend holds them.
+
+``call_memory_tool`` never raises: every result is JSON, and so is every error, with a
+message a model can act on (which argument, what was expected).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import HermesMemoryError
+from .api import MAX_QUERY_LIMIT, KeyValueMemory
+from .entries import InvalidEntryError
+
+MEMORY_TOOL = "memory"
+ACTIONS = ("store", "retrieve", "query", "list", "delete", "info")
+_ALLOWED = {
+    "store": {"key", "value", "metadata"},
+    "retrieve": {"key"},
+    "query": {"query", "limit"},
+    "list": set(),
+    "delete": {"key"},
+    "info": set(),
+}
+_REQUIRED = {"store": ("key", "value"), "retrieve": ("key",), "query": ("query",),
+             "delete": ("key",)}
+
+MEMORY_SCHEMA: dict[str, Any] = {
+    "name": MEMORY_TOOL,
+    "description": (
+        "Long-term key-value memory about the user, kept across sessions. 'store' saves a "
+        "fact under a short key (storing an existing key replaces its value), 'retrieve' "
+        "reads one key, 'query' finds entries by words in their keys and values, 'list' "
+        "names every key, 'delete' forgets one, 'info' tells where the memory lives."
+    ),
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "action": {"type": "string", "enum": list(ACTIONS),
+                       "description": "What to do."},
+            "key": {"type": "string",
+                    "description": "The entry's key (store, retrieve, delete), e.g. 'editor'."},
+            "value": {"type": "string", "description": "The text to keep (store)."},
+            "metadata": {"type": "object",
+                         "description": "Optional JSON object kept with the entry (store)."},
+            "query": {"type": "string", "description": "Words to search for (query)."},
+            "limit": {"type": "integer", "minimum": 1, "maximum": MAX_QUERY_LIMIT,
+                      "description": "Most entries to return (query); default 10."},
+        },
+        "required": ["action"],
+        "additionalProperties": False,
+    },
+}
+
+
+async def call_memory_tool(memory: KeyValueMemory, user_id: str | None, args: object) -> str:
+    """Run one call of the tool for ``user_id``; the result or the error as JSON."""
+    try:
+        return _ok(await _run(memory, user_id, args))
+    except _ArgumentError as exc:
+        return _error(str(exc))
+    except InvalidEntryError as exc:
+        return _error(f"invalid argument: {exc}")
+    except (HermesMemoryError, TimeoutError, OSError) as exc:
+        return _error(f"the memory could not do that now: {type(exc).__name__}: {exc}")
+
+
+class _ArgumentError(Exception):
+    pass
+
+
+async def _run(memory: KeyValueMemory, user_id: str | None, args: object) -> dict[str, Any]:
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            raise _ArgumentError("arguments must be a JSON object") from None
+    if not isinstance(args, Mapping):
+        raise _ArgumentError(f"arguments must be a JSON object, got {_kind(args)}")
+    action = args.get("action")
+    if action not in ACTIONS:
+        raise _ArgumentError(f"action must be one of {', '.join(ACTIONS)}; got {action!r:.40}")
+    unknown = sorted(set(args) - _ALLOWED[action] - {"action"})
+    if unknown:
+        raise _ArgumentError(f"action {action!r} takes no argument {', '.join(unknown)}"
+                             f" (it takes: {', '.join(sorted(_ALLOWED[action])) or 'none'})")
+    for name in _REQUIRED.get(action, ()):
+        if args.get(name) is None:
+            raise _ArgumentError(f"action {action!r} needs the argument {name!r}")
+    if action == "info":
+        n_entries, n_users = await memory.counts()
+        return {"action": "info", "backend": memory.backend_name, "is_cloud": memory.is_cloud,
+                "available": memory.is_available(), "location": memory.location,
+                "entries": n_entries, "users": n_users}
+    if not user_id:
+        raise _ArgumentError("no user is known for this session: memory needs a user_id")
+    if action == "store":
+        receipt = await memory.store(user_id, args["key"], args["value"], args.get("metadata"))
+        return {"action": "store", "key": args["key"], "stored": True,
+                "accepted_at": receipt.accepted_at}
+    if action == "retrieve":
+        entry = await memory.retrieve(user_id, args["key"])
+        return {"action": "retrieve", "key": args["key"], "found": entry is not None,
+                "entry": entry.as_dict() if entry is not None else None}
+    if action == "query":
+        limit = args.get("limit", 10)
+        entries = await memory.query(user_id, args["query"], limit)
+        return {"action": "query", "query": args["query"], "count": len(entries),
+                "entries": [e.as_dict() for e in entries]}
+    if action == "list":
+        names = await memory.list_keys(user_id)
+        return {"action": "list", "count": len(names), "keys": names}
+    existed = await memory.retrieve(user_id, args["key"]) is not None
+    await memory.delete(user_id, args["key"])
+    return {"action": "delete", "key": args["key"], "deleted": existed}
+
+
+def _ok(result: dict[str, Any]) -> str:
+    return json.dumps({"ok": True, **result}, ensure_ascii=False)
+
+
+def _error(message: str) -> str:
+    return json.dumps({"ok": False, "error": message}, ensure_ascii=False)
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__
