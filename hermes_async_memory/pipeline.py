@@ -242,14 +242,15 @@ class MemoryPipeline:
             DiskFullError: no space to make the turn durable; nothing was stored.
             PipelineClosedError: the pipeline is not open.
         """
-        self._accepting()
+        parts = self._accepting()
         _check_ids(session_id, user_id)
-        key, accepted_at = self.new_key(), time.time()
+        key = f"{self._key_prefix}-{next(self._key_counter):x}"  # new_key(), inlined
+        accepted_at = time.time()
         data, n_messages, sanitized = encode_turn(
             key, session_id, user_id, accepted_at, user_content, assistant_content, messages,
             metadata, self.settings.max_turn_bytes)
         self.sanitized += sanitized
-        return self.accept_record(key, session_id, accepted_at, data, n_messages)
+        return self._append(parts, key, session_id, accepted_at, data, n_messages)
 
     def new_key(self) -> str:
         """A fresh record key: unique to this pipeline and process."""
@@ -263,7 +264,10 @@ class MemoryPipeline:
         Raises:
             QueueFullError, DiskFullError, PipelineClosedError: as ``sync_turn``.
         """
-        parts = self._accepting()
+        return self._append(self._accepting(), key, lane, accepted_at, data, n_messages)
+
+    def _append(self, parts: Parts, key: str, lane: str, accepted_at: float, data: bytes,
+                n_messages: int) -> Receipt:
         try:
             seq, deferred = parts.outbox.append(data, n_messages)
         except DiskFullError as exc:

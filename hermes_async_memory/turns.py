@@ -10,6 +10,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Any, NamedTuple
 
 from .errors import InvalidTurnError
+from .ops import LANE_MARK, OP_KV, parse_kv
 
 # One stored message: (role, content, tool_calls_json, tool_call_id, tool_name).
 MessageRow = tuple[str, str, "str | None", "str | None", "str | None"]
@@ -31,11 +32,6 @@ _scan_once: Callable[[str, int], tuple[Any, int]] = (
     json.JSONDecoder().scan_once)  # type: ignore[attr-defined]
 _NULL = "null"
 TURN = "turn"
-OP_KV = "kv"  # a key-value memory write: put or delete one entry of a user's
-OP_KINDS = frozenset({OP_KV})
-# Operations are ordered in lanes, as turns are in their session: a user's key-value writes in
-# the lane "\x01kv\x01<user>". No id may hold "\x01", so a lane is never a session's id.
-LANE_MARK = "\x01"
 _DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":[%s],"d":%s}'
 
 
@@ -76,7 +72,7 @@ class Turn(NamedTuple):
     output_tokens: int
     has_nul: bool
     # What the record is: a turn (TURN), or an operation through the same durable path (a
-    # key-value write, OP_KV; see ``ops``), which has no messages and a lane for session id.
+    # key-value write, ``ops.OP_KV``): no messages, and its lane for session id.
     kind: str = "turn"
 
     @classmethod
@@ -167,24 +163,12 @@ class Turn(NamedTuple):
 
     @classmethod
     def _op_of(cls, doc: dict[str, Any], payload: str, segment: int, seq: int) -> Turn:
-        """An operation's record (``ops``): checked here, as a turn's is, so that a record no
-        part can apply is dead-lettered at decode and never reaches a commit."""
-        kind, key, lane, user_id, at = doc["x"], doc["k"], doc["s"], doc["u"], doc["t"]
-        if kind not in OP_KINDS:
-            raise ValueError(f"unknown record kind {kind!r:.40}")
-        if type(key) is not str or type(lane) is not str or type(user_id) is not str:
-            raise TypeError("the operation's key, lane or user id is not a string")
-        if not isinstance(at, (int, float)):
-            raise TypeError("the operation's time is not a number")
-        if doc["o"] not in ("put", "del") or type(doc["n"]) is not str:
-            raise TypeError("the operation's action or entry key is mistyped")
-        if doc["o"] == "put" and type(doc["v"]) is not str:
-            raise TypeError("the operation's value is not a string")
-        if "\\u0000" in payload:  # refused at accept: SQLite's JSON functions cut text there
-            raise ValueError("the operation holds U+0000")
+        """An operation's record (``ops``), checked here as a turn's is: a record no part
+        can apply is dead-lettered at decode and never reaches a commit."""
+        op = parse_kv(doc, payload)
         return tuple.__new__(cls, (
-            key, seq, lane, user_id, float(at), payload, len(payload), segment, 0, 0, "", "",
-            None, None, None, 0, 0, False, kind))
+            op.record_key, seq, op.lane, op.user_id, op.accepted_at, payload, len(payload),
+            segment, 0, 0, "", "", None, None, None, 0, 0, False, OP_KV))
 
     def encode(self) -> bytes:
         """The outbox record (ASCII JSON)."""

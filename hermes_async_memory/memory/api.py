@@ -21,6 +21,7 @@ from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import PipelineClosedError
+from ..ops import KvOp, encode_delete, encode_put, lane_of, parse_record
 from ..recall.query import query_terms, quote
 from ..store import EntryRow
 from ..turns import Receipt, scope_token_for
@@ -31,10 +32,6 @@ from .entries import (
     check_key,
     check_user,
     check_value,
-    encode_delete,
-    encode_put,
-    lane_of,
-    op_fields,
 )
 
 if TYPE_CHECKING:
@@ -55,6 +52,10 @@ class KeyValueMemory:
 
     def __init__(self, pipeline: MemoryPipeline) -> None:
         self._p = pipeline
+
+    @property
+    def pipeline(self) -> MemoryPipeline:
+        return self._p
 
     def is_available(self) -> bool:
         """Whether writes are accepted now (the pipeline is open). No I/O."""
@@ -123,8 +124,8 @@ class KeyValueMemory:
         row = await self._p.store.memory_entry(user, key)
         entry = _entry(row)
         for op in pending:
-            if op[1] == key:
-                entry = _apply(entry, user, op)
+            if op.key == key:
+                entry = _apply(entry, op)
         return entry
 
     async def list_keys(self, user_id: str) -> list[str]:
@@ -132,11 +133,11 @@ class KeyValueMemory:
         user = check_user(user_id)
         pending = await self._pending(user)
         keys = await self._p.store.memory_keys(user)
-        for action, key, *_ in pending:
-            if key in keys:
-                keys.remove(key)
-            if action == "put":
-                keys.insert(0, key)
+        for op in pending:
+            if op.key in keys:
+                keys.remove(op.key)
+            if op.action == "put":
+                keys.insert(0, op.key)
         return keys
 
     async def query(self, user_id: str, text: str, limit: int = 10) -> list[MemoryEntry]:
@@ -163,12 +164,12 @@ class KeyValueMemory:
                              await self._p.store.memory_query(user, match, limit)) if e]
         if not pending:
             return found
-        touched = {op[1] for op in pending}
+        touched = {op.key for op in pending}
         latest: dict[str, MemoryEntry | None] = {}
         for op in pending:
-            base = latest.get(op[1]) if op[1] in latest else next(
-                (e for e in found if e.key == op[1]), None)
-            latest[op[1]] = _apply(base, user, op)
+            base = latest[op.key] if op.key in latest else next(
+                (e for e in found if e.key == op.key), None)
+            latest[op.key] = _apply(base, op)
         wanted = set(terms)
         fresh = [e for e in latest.values()
                  if e is not None and wanted & _words(e.key + " " + e.value)]
@@ -179,19 +180,15 @@ class KeyValueMemory:
         """(entries, users) committed in the store."""
         return await self._p.store.memory_counts()
 
-    async def _pending(self, user: str) -> list[tuple[str, str, str, float, Any]]:
+    async def _pending(self, user: str) -> list[KvOp]:
         """Wait for the user's lane here; then the writes other processes handed in and no
         worker has committed yet, oldest first."""
         lane = lane_of(user)
         await self._p.flush_lane(lane, READ_TIMEOUT_S)
         if self._p.settings.role not in _SHARED_ROLES:
             return []
-        out = []
-        for payload in await self._p.store.lane_records(lane):
-            fields = op_fields(payload)
-            if fields is not None:
-                out.append(fields)
-        return out
+        ops = [parse_record(payload) for payload in await self._p.store.lane_records(lane)]
+        return [op for op in ops if op is not None]
 
     def blocking(self, timeout_s: float = READ_TIMEOUT_S) -> BlockingKeyValueMemory:
         """The same operations for a thread other than the pipeline's loop."""
@@ -225,11 +222,12 @@ class BlockingKeyValueMemory:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Raises TimeoutError past ``timeout_s`` (the read is cancelled)."""
-        loop = self._m._p.loop
+        pipeline = self._m.pipeline
+        loop = pipeline.loop
         if loop is None or loop.is_closed():
             coro.close()
             raise PipelineClosedError("the pipeline is not open")
-        if threading.get_ident() == self._m._p.loop_thread:
+        if threading.get_ident() == pipeline.loop_thread:
             coro.close()
             raise RuntimeError("a blocking read on the pipeline's own loop would deadlock; "
                                "await the KeyValueMemory method instead")
@@ -248,13 +246,13 @@ def _entry(row: EntryRow | None) -> MemoryEntry | None:
     return MemoryEntry(key, value, user, created, updated, json.loads(md) if md else {})
 
 
-def _apply(entry: MemoryEntry | None, user: str,
-           op: tuple[str, str, str, float, Any]) -> MemoryEntry | None:
-    action, key, value, at, md = op
-    if action == "del":
+def _apply(entry: MemoryEntry | None, op: KvOp) -> MemoryEntry | None:
+    """``entry`` after the pending write ``op``."""
+    if op.action == "del":
         return None
-    created = entry.created_at if entry is not None else at
-    return MemoryEntry(key, value, user, created, at, dict(md) if md else {})
+    created = entry.created_at if entry is not None else op.accepted_at
+    return MemoryEntry(op.key, op.value, op.user_id, created, op.accepted_at,
+                       dict(op.metadata or {}))
 
 
 def _words(text: str) -> set[str]:

@@ -1,5 +1,5 @@
-"""Key-value memory as data: an entry, and the write operations that carry it through the
-outbox (records of kind ``OP_KV``), checked before they are accepted."""
+"""Key-value memory as data: an entry, and the checks a write's arguments pass before it is
+accepted (its record's format is ``ops``)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidTurnError
-from ..turns import _ENCODER, _NULL, LANE_MARK, OP_KV, check_id, check_nesting
-from ..turns import _esc as esc
+from ..turns import check_id, check_nesting
 
 MAX_KEY_CHARS = 512
-_PUT = '{"x":"kv","k":%s,"s":%s,"u":%s,"t":%r,"o":"put","n":%s,"v":%s,"d":%s}'
-_DEL = '{"x":"kv","k":%s,"s":%s,"u":%s,"t":%r,"o":"del","n":%s}'
 
 
 class InvalidEntryError(InvalidTurnError):
@@ -37,11 +34,6 @@ class MemoryEntry:
         return {"key": self.key, "value": self.value, "user_id": self.user_id,
                 "created_at": self.created_at, "updated_at": self.updated_at,
                 "metadata": dict(self.metadata)}
-
-
-def lane_of(user_id: str) -> str:
-    """The lane a user's key-value writes are ordered in (never a session id)."""
-    return f"{LANE_MARK}kv{LANE_MARK}{user_id}"
 
 
 def check_user(user_id: object) -> str:
@@ -90,32 +82,6 @@ def check_entry_metadata(metadata: object) -> dict[str, Any] | None:
     if "\\u0000" in text or "\x00" in text:
         raise InvalidEntryError("metadata holds a NUL character")
     return md or None
-
-
-def encode_put(record_key: str, user_id: str, accepted_at: float, key: str, value: str,
-               metadata: Mapping[str, Any] | None) -> str:
-    """A put's record: compact ASCII JSON, ' written as \\u0027 (as a turn's, see
-    ``turns.encode_payload``)."""
-    payload = _PUT % (esc(record_key), esc(lane_of(user_id)), esc(user_id), accepted_at,
-                      esc(key), esc(value),
-                      _NULL if metadata is None else _ENCODER.encode(metadata))
-    return payload.replace("'", "\\u0027") if "'" in payload else payload
-
-
-def encode_delete(record_key: str, user_id: str, accepted_at: float, key: str) -> str:
-    payload = _DEL % (esc(record_key), esc(lane_of(user_id)), esc(user_id), accepted_at,
-                      esc(key))
-    return payload.replace("'", "\\u0027") if "'" in payload else payload
-
-
-def op_fields(payload: str) -> tuple[str, str, str, float, dict[str, Any] | None] | None:
-    """(action "put" or "del", entry key, value, time, metadata) of an operation's record;
-    None for a record of another kind."""
-    doc = json.loads(payload)
-    if doc.get("x") != OP_KV:
-        return None
-    md = doc.get("d")
-    return doc["o"], doc["n"], doc.get("v", ""), float(doc["t"]), md or None
 
 
 def _check_text(name: str, text: str) -> None:

@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ..ops import parse_record
 from ..turns import Turn, scope_token_for
 from .connections import Connections
 from .sql import sql_literal
@@ -54,19 +55,20 @@ def op_statements(ops: Sequence[Turn], now_sql: str) -> list[str]:
     net: dict[tuple[str, str], list[Any]] = {}  # (user, key) -> [effect, value, md, c, u]
     done = []
     for t in ops:
-        doc = json.loads(t.payload)
-        user = t.user_id or ""
-        name, at = doc["n"], t.accepted_at
-        done.append([t.key, t.session_id, t.segment, at])
-        was = net.get((user, name))
-        if doc["o"] == "del":
-            net[(user, name)] = ["gone"]
+        op = parse_record(t.payload)
+        assert op is not None  # the batch holds only key-value operations here
+        done.append([t.key, t.session_id, t.segment, op.accepted_at])
+        was = net.get((op.user_id, op.key))
+        entry: list[Any]
+        if op.action == "del":
+            entry = ["gone"]
         elif was is None:
-            net[(user, name)] = ["update", doc["v"], doc["d"], at, at]
+            entry = ["update", op.value, op.metadata, op.accepted_at, op.accepted_at]
         elif was[0] == "gone":
-            net[(user, name)] = ["renew", doc["v"], doc["d"], at, at]
+            entry = ["renew", op.value, op.metadata, op.accepted_at, op.accepted_at]
         else:
-            net[(user, name)] = [was[0], doc["v"], doc["d"], was[3], at]
+            entry = [was[0], op.value, op.metadata, was[3], op.accepted_at]
+        net[(op.user_id, op.key)] = entry
     deletes = [[u, k] for (u, k), e in net.items() if e[0] != "update"]
     puts = [
         [u, k, e[1], None if e[2] is None else _ROWS.encode(e[2]), e[3], e[4],
