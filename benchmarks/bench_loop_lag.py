@@ -169,6 +169,18 @@ def _cpu_clock(ident: int | None) -> int | None:
         return None
 
 
+def _stack(frame: FrameType | None, depth: int = STACK_DEPTH) -> str:
+    """A thread's innermost frames, read off the frames themselves: the traceback module
+    would load each file's source lines (linecache), thousands of objects every full
+    collection then scans."""
+    where: list[str] = []
+    while frame is not None and len(where) < depth:
+        code = frame.f_code
+        where.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    return " < ".join(where)
+
+
 class Attribution:
     """Times every loop callback, every garbage collection, and samples the loop thread's
     stack from a watchdog thread while the probe is overdue."""
@@ -241,19 +253,12 @@ class Attribution:
             wall, last_at = at - last_at, at
             if at - self.probe.last_wake < overdue or wall <= 0:
                 continue
-            frame = sys._current_frames().get(self._loop_thread)
-            if frame is None:
+            frames = sys._current_frames()
+            if self._loop_thread not in frames:
                 continue
-            # Read off the frames themselves: the traceback module would load each file's
-            # source lines (linecache), thousands of objects every full collection then scans.
-            where: list[str] = []
-            while frame is not None and len(where) < STACK_DEPTH:
-                code = frame.f_code
-                where.append(f"{os.path.basename(code.co_filename)}:{frame.f_lineno} "
-                             f"{code.co_name}")
-                frame = frame.f_back
-            text = " < ".join(where)
-            busy = [f"{threads[i]} {u / wall:.0%}" for i, u in used.items()
+            text = _stack(frames[self._loop_thread])
+            busy = [f"{threads[i]} [{_stack(frames[i], 3) if i in frames else '?'}] "
+                    f"{u / wall:.0%}" for i, u in used.items()
                     if i != self._loop_thread and u / wall >= 0.2]
             self.samples.append(Sample(at, text, used.get(self._loop_thread, 0.0) / wall,
                                        busy))
