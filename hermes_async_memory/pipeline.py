@@ -40,7 +40,7 @@ from .errors import (
     PipelineFailedError,
     describe,
 )
-from .memory import KeyValueMemory
+from .memory.backends import memory_for
 from .metrics import PipelineObserver
 from .parts import Parts, build_parts, collect_stats
 from .recall.cache import PrefetchStatus, RecallCache
@@ -99,7 +99,7 @@ class MemoryPipeline:
         self._changed = asyncio.Event()  # set, and replaced, after each change: wait_until()
         self.cache.on_change = self.changed
         # Key-value memory per user, through the same outbox as turns (see ``memory``).
-        self.memory = KeyValueMemory(self)
+        self.memory = memory_for(self)
         self._parts: Parts | None = None
         self._state = NEW
         self._failure: PipelineFailedError | None = None
@@ -432,6 +432,19 @@ class MemoryPipeline:
                 if self._failure is not None:
                     raise self._failure
                 await self._changed.wait()
+
+    async def next_change(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        """Return at the pipeline's next change (see ``changed``), for a caller whose own
+        check must await (a store read).
+
+        Raises:
+            TimeoutError: ``timeout`` passed first.
+            PipelineFailedError: the pipeline failed.
+        """
+        if self._failure is not None:
+            raise self._failure
+        with anyio.fail_after(timeout):
+            await self._changed.wait()
 
     # -- stats -------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ OverflowPolicy = Literal["defer", "reject"]
 OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("defer", "reject")
 BackendName = Literal["null", "honcho"]
 BACKENDS: tuple[BackendName, ...] = ("null", "honcho")
+KvBackendName = Literal["auto", "local", "null", "honcho"]
+KV_BACKENDS: tuple[KvBackendName, ...] = ("auto", "local", "null", "honcho")
 Role = Literal["embedded", "producer", "worker"]
 ROLES: tuple[Role, ...] = ("embedded", "producer", "worker")
 
@@ -100,6 +103,10 @@ class Settings:
     # only) or "honcho", configured by ``honcho`` (from HONCHO_* variables in from_env).
     backend: BackendName = "null"
     honcho: HonchoConfig | None = None
+    # The key-value memory's backend (``pipeline.memory``): "local" (this store), "honcho"
+    # (this store, each write mirrored to Honcho: needs backend "honcho"), "null" (stores
+    # nothing), or "auto": honcho when the pipeline replicates to Honcho, else local.
+    kv_backend: KvBackendName = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
@@ -122,6 +129,12 @@ class Settings:
         if self.backend not in BACKENDS:
             raise ConfigurationError(
                 f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.kv_backend not in KV_BACKENDS:
+            raise ConfigurationError(
+                f"kv_backend must be one of {', '.join(KV_BACKENDS)}, got {self.kv_backend!r}")
+        if self.kv_backend == "honcho" and self.backend != "honcho":
+            raise ConfigurationError("kv_backend 'honcho' mirrors key-value memory through the "
+                                     "Honcho replica: it needs backend 'honcho'")
         if self.role not in ROLES:
             raise ConfigurationError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         for name in ("lease_s", "shared_poll_ms"):
@@ -164,7 +177,27 @@ class Settings:
         env = os.environ if environ is None else environ
         values = read_env(cls, env, ENV_PREFIX, skip=("honcho",))  # HONCHO_* below
         values.update(overrides)
+        values.setdefault("backend", auto_backend(values, env))
         if values.get("backend") == "honcho" and values.get("honcho") is None:
             values["honcho"] = HonchoConfig.from_env(env)
         return cls(**values)  # type: ignore[arg-type]
 
+
+
+def auto_backend(chosen: Mapping[str, object], environ: Mapping[str, str]) -> BackendName:
+    """The backend when none is set explicitly, in seed 000's order: Honcho when the
+    key-value backend asks for it, or when ``HONCHO_API_KEY`` is set and the honcho extra is
+    installed; else the local store alone ("null": nothing replicated). Read from the
+    settings and environment given, never from a process-wide default."""
+    kv = chosen.get("kv_backend", "auto")
+    if kv == "honcho":
+        return "honcho"
+    if kv == "auto" and environ.get("HONCHO_API_KEY") and honcho_installed():
+        return "honcho"
+    return "null"
+
+
+def honcho_installed() -> bool:
+    """Whether the honcho extra (honcho-ai) is installed. No import, no I/O beyond a look
+    at the installed packages."""
+    return importlib.util.find_spec("honcho") is not None

@@ -307,6 +307,43 @@ def test_memory_writes_are_mirrored_and_searchable(provider: HermesMemoryProvide
     assert "prefers tabs over spaces" in found["results"]
 
 
+def test_builtin_memory_writes_become_the_users_key_value_memory(
+    provider: HermesMemoryProvider,
+) -> None:
+    """Hermes's MEMORY.md / USER.md writes, as Hermes's manager sends them: add, then a
+    replace and a remove that name their entry by a piece of its text (old_text)."""
+    assert provider.user_id  # the CLI's per-profile user
+    mm = MemoryManager()
+    mm.add_provider(provider)
+
+    def tool_write(**args: str) -> None:
+        mm.notify_memory_tool_write(json.dumps({"success": True}), args,
+                                    build_metadata=lambda: {"session_id": "s1"})
+
+    def memory(**args: object) -> dict[str, Any]:
+        result: dict[str, Any] = json.loads(provider.handle_tool_call(MEMORY_TOOL, args))
+        assert result["ok"], result
+        return result
+
+    tool_write(action="add", target="user", content="prefers tabs over spaces")
+    tool_write(action="add", target="memory", content="the repo uses Python 3.11")
+    tool_write(action="replace", target="user", content="prefers spaces, 4 of them",
+               old_text="tabs over")
+    assert [e["value"] for e in memory(action="query", query="spaces")["entries"]] == [
+        "prefers spaces, 4 of them"]
+    tool_write(action="remove", target="memory", content="", old_text="Python 3.11")
+    keys = memory(action="list")["keys"]
+    assert len(keys) == 1 and keys[0].startswith("user:")
+    entry = memory(action="retrieve", key=keys[0])["entry"]
+    assert entry["metadata"]["action"] == "replace"
+    assert entry["metadata"]["provenance"] == {"session_id": "s1"}
+    mm.on_delegation(task="summarise the logs", result="three errors found",
+                     child_session_id="child-1")
+    seen = memory(action="retrieve", key="delegation:child-1")["entry"]
+    assert seen["value"] == "Task: summarise the logs\nResult: three errors found"
+    assert seen["metadata"]["kind"] == "observation"
+
+
 def test_delegation_is_stored_in_the_parent_session(provider: HermesMemoryProvider) -> None:
     mm = MemoryManager()
     mm.add_provider(provider)

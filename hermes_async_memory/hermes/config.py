@@ -24,7 +24,7 @@ from ..backends.honcho import ENV_PREFIX as HONCHO_PREFIX
 from ..backends.honcho import PRODUCTION_URL, RECALL_MODES, HonchoConfig
 from ..env import read_env
 from ..errors import ConfigurationError
-from ..settings import BACKENDS, ENV_PREFIX, Settings
+from ..settings import BACKENDS, ENV_PREFIX, KV_BACKENDS, Settings, auto_backend
 
 PROVIDER_NAME = "hermes_async_memory"
 CONFIG_FILE = f"{PROVIDER_NAME}.json"
@@ -130,6 +130,7 @@ def resolve(hermes_home: Path, values: Mapping[str, Any],
         if "db_path" not in from_env and not path.is_absolute():
             path = hermes_home / path  # relative to HERMES_HOME in the file, to the cwd in env
         chosen["db_path"] = path
+    chosen.setdefault("backend", auto_backend(chosen, environ))
     if chosen.get("backend") == "honcho":
         chosen["honcho"] = HonchoConfig(**honcho)  # type: ignore[arg-type]
     settings = Settings(**chosen)  # type: ignore[arg-type]
@@ -181,8 +182,14 @@ def config_schema() -> list[dict[str, Any]]:
          "default": _default("shutdown_deadline_s")},
         {"key": "backend",
          "description": "Replica backend: null (this machine only) or honcho (a Honcho "
-                        "server, cloud or self-hosted; the local store stays the record)",
-         "default": "null", "choices": list(BACKENDS)},
+                        "server, cloud or self-hosted; the local store stays the record). "
+                        "Unset: honcho when HONCHO_API_KEY is set and the honcho extra is "
+                        "installed, else null",
+         "default": "", "choices": list(BACKENDS)},
+        {"key": "kv_backend",
+         "description": "Key-value memory (the memory tool): local, honcho (local, mirrored "
+                        "to Honcho), null (stores nothing) or auto (as the replica backend)",
+         "default": "auto", "choices": list(KV_BACKENDS)},
         {"key": "honcho_base_url", "description": "Honcho base URL (self-hosted or cloud)",
          "default": PRODUCTION_URL, "env_var": HONCHO_PREFIX + "BASE_URL"},
         {"key": "honcho_api_key",

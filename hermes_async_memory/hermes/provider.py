@@ -23,7 +23,7 @@ import abc
 import contextvars
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,11 +37,14 @@ from ..errors import (
     describe,
 )
 from ..memory import MEMORY_SCHEMA, MEMORY_TOOL, call_memory_tool
+from ..memory.mirror import mirror_builtin_write, record_delegation
 from ..settings import Settings
 from . import config as _config
 from .runtime import Runtime, acquire, release
 
 if TYPE_CHECKING:
+    from ..pipeline import MemoryPipeline
+
     _ProviderBase = abc.ABC
 else:
     try:
@@ -370,10 +373,16 @@ class HermesMemoryProvider(_ProviderBase):
             return
         extra = {"kind": "delegation", "child_session_id": child_session_id or None}
         self._store_note(self._session_id, f"[delegated to a subagent] {task}", result, extra)
+        session, user = self._session_id, self._user_id
+        if user:
+            self._memory_call("delegation", lambda p: record_delegation(
+                p.memory, user, _text(task), _text(result), session_id=session,
+                child_session_id=child_session_id or None))
 
     def on_memory_write(self, action: str, target: str, content: str,
                         metadata: dict[str, Any] | None = None) -> None:
-        """Mirror a write of Hermes's built-in memory tool as a turn, marked in its metadata
+        """Keep a write of Hermes's built-in memory tool as the user's key-value memory
+        (see ``memory.mirror``: add, replace, remove), and as a turn marked in its metadata
         (``kind: memory_write``), so recall and search find it.
 
         Raises:
@@ -389,6 +398,22 @@ class HermesMemoryProvider(_ProviderBase):
         extra = {"kind": "memory_write", "action": action, "target": target,
                  "provenance": {k: v for k, v in provenance.items() if _is_plain(v)} or None}
         self._store_note(session, f"[memory {action}: {target}]", text, extra)
+        user = self._user_id
+        if user:
+            old = _text(provenance.get("old_text")) or None
+            self._memory_call(f"memory {action}", lambda p: mirror_builtin_write(
+                p.memory, user, action, _text(target), _text(content), old_text=old,
+                provenance={k: v for k, v in provenance.items()
+                            if _is_plain(v) and k != "old_text"}))
+
+    def _memory_call(self, what: str,
+                     make: Callable[[MemoryPipeline], Coroutine[Any, Any, object]]) -> None:
+        """A key-value write for a hook: durable when this returns; a failure is logged
+        (Hermes ignores what a hook raises) and the turn note above still holds it."""
+        try:
+            self._require_runtime().call(make, TOOL_TIMEOUT_S)
+        except (HermesMemoryError, TimeoutError) as exc:
+            log.warning("hermes_memory_hook_failed", hook=what, error=describe(exc))
 
     # -- configuration -----------------------------------------------------------------
 

@@ -49,6 +49,7 @@ class KeyValueMemory:
 
     backend_name = "local (SQLite)"
     is_cloud = False
+    stores = True  # (the null backend's is False)
 
     def __init__(self, pipeline: MemoryPipeline) -> None:
         self._p = pipeline
@@ -65,6 +66,11 @@ class KeyValueMemory:
     def location(self) -> str:
         """Where the entries live."""
         return str(self._p.settings.db_path)
+
+    @property
+    def key_required(self) -> bool:
+        """Whether using it needs an API key."""
+        return False
 
     # -- writes: durable on return, no I/O ----------------------------------------------
 
@@ -176,9 +182,38 @@ class KeyValueMemory:
         fresh.sort(key=lambda e: -e.updated_at)
         return (fresh + [e for e in found if e.key not in touched])[:limit]
 
+    async def find(self, user_id: str, needle: str, *, prefix: str = "") -> MemoryEntry | None:
+        """The user's most recently updated entry whose key starts with ``prefix`` and whose
+        value holds ``needle`` (plain, case-sensitive text), or None."""
+        user = check_user(user_id)
+        if not isinstance(needle, str) or not needle:
+            raise InvalidEntryError("the text to find must be a non-empty string")
+        pending = await self._pending(user)
+        found = _entry(await self._p.store.memory_find(user, prefix, needle))
+        latest: dict[str, MemoryEntry | None] = {}
+        for op in pending:
+            if op.key.startswith(prefix):
+                base = latest[op.key] if op.key in latest else (
+                    found if found is not None and found.key == op.key else
+                    _entry(await self._p.store.memory_entry(user, op.key)))
+                latest[op.key] = _apply(base, op)
+        fresh = [e for e in latest.values() if e is not None and needle in e.value]
+        if fresh:
+            return max(fresh, key=lambda e: e.updated_at)
+        return None if found is None or found.key in latest else found
+
     async def counts(self) -> tuple[int, int]:
         """(entries, users) committed in the store."""
         return await self._p.store.memory_counts()
+
+    async def settled(self, user_id: str, timeout_s: float = READ_TIMEOUT_S) -> None:
+        """Return once the user's writes acknowledged here are committed: what any reader
+        of the store (another process too) sees from then on.
+
+        Raises:
+            FlushTimeoutError, PipelineFailedError, PipelineClosedError: as ``flush``.
+        """
+        await self._p.flush_lane(lane_of(check_user(user_id)), timeout_s)
 
     async def _pending(self, user: str) -> list[KvOp]:
         """Wait for the user's lane here; then the writes other processes handed in and no

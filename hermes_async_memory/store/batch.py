@@ -220,9 +220,11 @@ class Batch:
         assert self._session_json is not None
         return sql_literal(self._session_json)
 
-    def statements(self, *, replica: str | None, now: float) -> list[str]:
+    def statements(self, *, replica: str | None, now: float, replica_kv: bool = False
+                   ) -> list[str]:
         """What the batch's transaction runs after inserting its messages: the replica
-        outbox rows, the FTS index, the sessions, and the outbox keys marked 'done'."""
+        outbox rows, the FTS index, the sessions, and the outbox keys marked 'done'; then
+        the key-value records (with replica rows of their own when ``replica_kv``)."""
         # The batch's messages are the last n_messages rows once inserted: ids are
         # consecutive inside the transaction.
         start = f"((SELECT max(id) FROM messages) - {int(self.n_messages)})"
@@ -238,7 +240,7 @@ class Batch:
             for segment, after, upto in self.segment_runs(0)
         ]
         if self.ops:
-            script += op_statements(self.ops, now_sql)
+            script += op_statements(self.ops, now_sql, replica if replica_kv else None)
         return script
 
     def lease_statements(self) -> list[str]:

@@ -65,6 +65,8 @@ class Connections:
         self.frequent_terms: frozenset[str] = frozenset()
         # The replica backend whose outbox each commit fills (None: no backend).
         self.replica: str | None = None
+        # Whether key-value records go to that backend too (the Honcho key-value backend).
+        self.replica_kv = False
 
     # -- life cycle --------------------------------------------------------------------
 

@@ -101,7 +101,8 @@ class DeadLetters(Connections):
                 # Bound row by row, as commit_batch does for text with NUL: one turn, and
                 # inside a transaction executescript would first commit.
                 await db.executemany(INSERT_MESSAGE_ROW, batch.message_rows())
-                for statement in batch.statements(replica=self.replica, now=self.now()):
+                for statement in batch.statements(replica=self.replica, replica_kv=self.replica_kv,
+                                   now=self.now()):
                     await db.execute(statement)
             except sqlite3.OperationalError:
                 raise  # the store's trouble, not the turn's

@@ -39,6 +39,14 @@ INSERT INTO outbox (key, session_id, segment, status, attempts, accepted_at, upd
 SELECT r.value ->> 0, r.value ->> 1, r.value ->> 2, 'done', 1, r.value ->> 3, {now}
 FROM json_each({rows}) AS r;
 """
+# A replica backend that mirrors key-value memory gets each record as it was written, in
+# lane order: the row carries the record itself (it has no message rows to be rebuilt from).
+INSERT_OPS_REPLICA = """
+INSERT INTO replica_outbox (backend, turn_key, session_id, first_id, n_messages, payload)
+SELECT {backend}, r.value ->> 0, r.value ->> 1, 0, 0, r.value ->> 2
+FROM json_each({rows}) AS r WHERE true
+ON CONFLICT (backend, turn_key) DO NOTHING;
+"""
 _ENTRY = "SELECT key, value, user_id, created_at, updated_at, metadata FROM memories "
 QUERY = (
     "SELECT m.key, m.value, m.user_id, m.created_at, m.updated_at, m.metadata "
@@ -49,9 +57,10 @@ QUERY = (
 EntryRow = tuple[str, str, str, float, float, str | None]
 
 
-def op_statements(ops: Sequence[Turn], now_sql: str) -> list[str]:
+def op_statements(ops: Sequence[Turn], now_sql: str, replica: str | None = None
+                  ) -> list[str]:
     """The statements that apply ``ops`` (key-value records, in batch order) and mark them
-    done, for a batch's transaction."""
+    done, for a batch's transaction; with ``replica``, each also waits for that backend."""
     net: dict[tuple[str, str], list[Any]] = {}  # (user, key) -> [effect, value, md, c, u]
     done = []
     for t in ops:
@@ -81,6 +90,10 @@ def op_statements(ops: Sequence[Turn], now_sql: str) -> list[str]:
     if puts:
         script.append(UPSERT_ENTRIES.format(rows=sql_literal(_ROWS.encode(puts))))
     script.append(INSERT_OPS_DONE.format(rows=sql_literal(_ROWS.encode(done)), now=now_sql))
+    if replica is not None:
+        rows = _ROWS.encode([[t.key, t.session_id, t.payload] for t in ops])
+        script.append(INSERT_OPS_REPLICA.format(backend=sql_literal(replica),
+                                                rows=sql_literal(rows)))
     return script
 
 
@@ -105,6 +118,16 @@ class Memories(Connections):
         from quoted terms), best first."""
         async with self.reader() as db, db.execute(QUERY, (match, user_id, limit)) as cur:
             return [_row(r) for r in await cur.fetchall()]
+
+    async def memory_find(self, user_id: str, prefix: str, needle: str) -> EntryRow | None:
+        """The user's most recently updated entry whose key starts with ``prefix`` and
+        whose value holds ``needle`` (plain text, case-sensitive), if any."""
+        async with self.reader() as db, db.execute(
+                _ENTRY + "WHERE user_id = ? AND substr(key, 1, ?) = ? AND instr(value, ?) > 0 "
+                "ORDER BY updated_at DESC, key LIMIT 1",
+                (user_id, len(prefix), prefix, needle)) as cur:
+            row = await cur.fetchone()
+        return None if row is None else _row(row)
 
     async def memory_counts(self) -> tuple[int, int]:
         """(entries, users) in the whole store."""

@@ -58,7 +58,8 @@ class Messages(Connections):
             sqlite3.Error: the transaction failed and was rolled back; nothing was stored.
         """
         db = self.writer
-        script = batch.statements(replica=self.replica, now=self.now())
+        script = batch.statements(replica=self.replica, replica_kv=self.replica_kv,
+                                   now=self.now())
         script += batch.lease_statements()
         try:
             if batch.has_nul:  # rare: bind the rows one by one, NUL and all

@@ -37,6 +37,7 @@ class ReplicaRow(NamedTuple):
     n_messages: int
     attempts: int
     tried: bool = False  # a write of it failed before (counted or not)
+    payload: str | None = None  # a key-value record, sent as written (no message rows)
 
 
 class ReplicaOutbox(Connections):
@@ -50,26 +51,37 @@ class ReplicaOutbox(Connections):
         one call for many turns, and no session waits behind a busier one."""
         async with self.reader() as db, db.execute(
             "SELECT id, turn_key, session_id, first_id, n_messages, attempts, "
-            "last_error IS NOT NULL FROM replica_outbox "
+            "last_error IS NOT NULL, payload FROM replica_outbox "
             "WHERE backend = :b AND status = 'pending' AND session_id IN ("
             "  SELECT session_id FROM replica_outbox WHERE backend = :b AND status = 'pending' "
             "  GROUP BY session_id ORDER BY min(id) LIMIT :sessions) "
             "ORDER BY id LIMIT :limit",
             {"b": backend, "sessions": sessions, "limit": limit},
         ) as cur:
-            return [ReplicaRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]))
+            return [ReplicaRow(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]), r[7])
                     for r in await cur.fetchall()]
+
+    async def replica_waiting(self, backend: str, session_id: str) -> int:
+        """How many of a session's (or a lane's) records still wait for ``backend``."""
+        async with self.reader() as db, db.execute(
+            "SELECT count(*) FROM replica_outbox WHERE backend = ? AND status = 'pending' "
+            "AND session_id = ?", (backend, session_id)) as cur:
+            row = await cur.fetchone()
+        return int(row[0]) if row else 0
 
     async def replica_turns(self, rows: Sequence[ReplicaRow]) -> list[Turn]:
         """The committed turns behind replica rows, rebuilt from their messages, in order;
-        each turn's ``seq`` is its replica row. A turn whose messages are gone is left out."""
+        each turn's ``seq`` is its replica row. A turn whose messages are gone is left out.
+        A key-value record comes back as written (``Turn.kind`` says which it is)."""
         if not rows:
             return []
+        records = {r.turn_key: Turn.decode(r.payload, seq=r.id)
+                   for r in rows if r.payload is not None}
         # Each row names its turn's messages by primary key (they were inserted together, so
         # their ids are consecutive): a lookup per turn, never a scan of the turns between
         # two sparse rows. The key must match too, in case those ids were reused since.
         ranges = json.dumps([[r.first_id, r.first_id + r.n_messages, r.turn_key]
-                             for r in rows])
+                             for r in rows if r.payload is None])
         by_key: dict[str, list[Any]] = {}
         async with self.reader() as db, db.execute(_TURN_MESSAGES, (ranges,)) as cur:
             async for m in cur:
@@ -78,6 +90,9 @@ class ReplicaOutbox(Connections):
         for n, r in enumerate(rows):
             if n % 200 == 199:
                 await asyncio.sleep(0)  # rebuilding thousands of turns: let the loop run
+            if r.turn_key in records:
+                turns.append(records[r.turn_key])
+                continue
             msgs = by_key.get(r.turn_key)
             if not msgs:
                 continue

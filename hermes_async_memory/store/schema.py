@@ -116,6 +116,7 @@ CREATE TABLE IF NOT EXISTS replica_outbox (
     attempts INTEGER NOT NULL DEFAULT 0,
     last_error TEXT,
     updated_at REAL,
+    payload TEXT,  -- a key-value record's own JSON (a turn's is rebuilt from its messages)
     UNIQUE (backend, turn_key)
 );
 CREATE INDEX IF NOT EXISTS idx_replica_outbox_open ON replica_outbox(backend, status, id);
@@ -159,6 +160,7 @@ _ADDED_COLUMNS = (
     ("recall_results", "fallback", "INTEGER NOT NULL DEFAULT 0"),
     # A turn a producer could not write, handed in with why: the worker dead-letters it.
     ("inbox", "error", "TEXT"),
+    ("replica_outbox", "payload", "TEXT"),
 )
 # Set on the writer connection: a batch of inbox turns commits only while its lease holds.
 LEASE_GUARD = """

@@ -7,6 +7,12 @@ characters): an id that fits is kept as is, one that does not is rewritten and g
 the original appended, so two different ids never meet. Each message carries its turn's
 idempotency key and its index within the turn in ``metadata``: what the exactly-once check
 before a resend looks for.
+
+Key-value memory (``ops``): each write becomes one message from the user's peer in a memory
+session of that user's own, in write order, with the typed metadata ``MEMORY_FIELD``
+(``{"op": "put" | "delete", "key", "metadata", "at"}``); a put's content is the value, a
+delete's is a line that says so (Honcho cannot remove one message). The memory session's id
+is the user's lane rewritten (see ``honcho_id``), so it can never be a conversation's.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import hashlib
 import re
 from typing import Any, NamedTuple
 
+from ...ops import parse_record
 from ...turns import Turn
 from .client import sdk
 from .config import HonchoConfig
@@ -31,6 +38,7 @@ _ID_HASH_CHARS = 16  # 64 bits of blake2b: what keeps rewritten ids apart
 KEY_FIELD = "turn_key"  # the turn's idempotency key
 INDEX_FIELD = "turn_msg"  # the message's index within its turn (0, 1, ...)
 USER_FIELD = "user_peer"  # the user peer of the turn: what a "search" recall filters on
+MEMORY_FIELD = "hermes_memory"  # a key-value write: {"op", "key", "metadata", "at"}
 
 
 def honcho_id(raw: str) -> str:
@@ -88,6 +96,8 @@ class Mapper:
         honcho = sdk()
         user_peer = self.user_peer_name(turn.user_id, turn.session_id)
         created = dt.datetime.fromtimestamp(turn.accepted_at, tz=dt.timezone.utc)
+        if turn.kind != "turn":
+            return Unit(turn, self._memory_msgs(turn, user_peer, created))
         step = self.config.max_message_chars
         msgs: list[Msg] = []
         for ordinal, (role, content, calls_json, call_id, tool_name) in enumerate(turn.messages):
@@ -109,3 +119,25 @@ class Mapper:
                     metadata=md, created_at=created)
                 msgs.append(Msg(turn.key, index, params))
         return Unit(turn, msgs)
+
+    def _memory_msgs(self, turn: Turn, user_peer: str, created: dt.datetime) -> list[Msg]:
+        """A key-value write as a message in the user's memory session (a value longer
+        than a message may be is split across several, as a turn's content is)."""
+        op = parse_record(turn.payload)
+        if op is None:
+            raise ValueError(f"record {turn.key} is neither a turn nor a key-value write")
+        action = "put" if op.action == "put" else "delete"
+        content = op.value if action == "put" else f"(memory entry {op.key!r} deleted)"
+        typed = {"op": action, "key": op.key, "metadata": op.metadata or {},
+                 "at": op.accepted_at}
+        step = self.config.max_message_chars
+        parts = [content[i:i + step] for i in range(0, len(content), step)] or [""]
+        msgs = []
+        for index, part in enumerate(parts):
+            md: dict[str, object] = {KEY_FIELD: turn.key, INDEX_FIELD: index,
+                                     USER_FIELD: user_peer, "role": "memory", MEMORY_FIELD: typed}
+            if len(parts) > 1:
+                md["part"], md["parts"] = index, len(parts)
+            msgs.append(Msg(turn.key, index, sdk().MessageCreateParams(
+                content=part, peer_id=user_peer, metadata=md, created_at=created)))
+        return msgs
