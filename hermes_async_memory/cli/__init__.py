@@ -5,6 +5,7 @@
     hermes-memory search                                      (cli.search)
     hermes-memory sessions list | show | export               (cli.sessions)
     hermes-memory dead-letters list | replay                  (cli.dead_letters)
+    hermes-memory eval                                        (cli.evaluate)
     hermes-memory hermes install                              (hermes.install)
 
 Subcommands other than ``worker`` come from the modules in ``_COMMAND_MODULES``: each has a
@@ -80,6 +81,7 @@ _COMMAND_MODULES = (
     "hermes_async_memory.cli.search",
     "hermes_async_memory.cli.sessions",
     "hermes_async_memory.cli.dead_letters",
+    "hermes_async_memory.cli.evaluate",
     "hermes_async_memory.hermes.install",
 )
 # Commands that hand their remaining arguments to a parser of their own.

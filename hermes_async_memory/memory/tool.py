@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 from ..errors import HermesMemoryError
 from .api import MAX_QUERY_LIMIT, KeyValueMemory
+from .backends import BackendLimitError, Memory
 from .entries import InvalidEntryError
+from .evaluation import SCORING, evaluate_backend, evaluate_backends, recommendation
 
 MEMORY_TOOL = "memory"
-ACTIONS = ("store", "retrieve", "query", "list", "delete", "info")
+ACTIONS = ("store", "retrieve", "query", "list", "delete", "info", "evaluate")
+EVALUATE_OPERATIONS = 50  # operations per measure when a model asks (the CLI runs more)
 _ALLOWED = {
     "store": {"key", "value", "metadata"},
     "retrieve": {"key"},
@@ -24,6 +28,7 @@ _ALLOWED = {
     "list": set(),
     "delete": {"key"},
     "info": set(),
+    "evaluate": set(),
 }
 _REQUIRED = {"store": ("key", "value"), "retrieve": ("key",), "query": ("query",),
              "delete": ("key",)}
@@ -34,7 +39,8 @@ MEMORY_SCHEMA: dict[str, Any] = {
         "Long-term key-value memory about the user, kept across sessions. 'store' saves a "
         "fact under a short key (storing an existing key replaces its value), 'retrieve' "
         "reads one key, 'query' finds entries by words in their keys and values, 'list' "
-        "names every key, 'delete' forgets one, 'info' tells where the memory lives."
+        "names every key, 'delete' forgets one, 'info' tells where the memory lives, "
+        "'evaluate' compares the available backends (takes a few seconds)."
     ),
     "parameters": {
         "type": "object",
@@ -56,7 +62,7 @@ MEMORY_SCHEMA: dict[str, Any] = {
 }
 
 
-async def call_memory_tool(memory: KeyValueMemory, user_id: str | None, args: object) -> str:
+async def call_memory_tool(memory: Memory, user_id: str | None, args: object) -> str:
     """Run one call of the tool for ``user_id``; the result or the error as JSON."""
     try:
         return _ok(await _run(memory, user_id, args))
@@ -64,6 +70,9 @@ async def call_memory_tool(memory: KeyValueMemory, user_id: str | None, args: ob
         return _error(str(exc))
     except InvalidEntryError as exc:
         return _error(f"invalid argument: {exc}")
+    except BackendLimitError as exc:
+        return json.dumps({"ok": False, "error": str(exc), "done": exc.done},
+                          ensure_ascii=False)
     except (HermesMemoryError, TimeoutError, OSError) as exc:
         return _error(f"the memory could not do that now: {type(exc).__name__}: {exc}")
 
@@ -72,7 +81,7 @@ class _ArgumentError(Exception):
     pass
 
 
-async def _run(memory: KeyValueMemory, user_id: str | None, args: object) -> dict[str, Any]:
+async def _run(memory: Memory, user_id: str | None, args: object) -> dict[str, Any]:
     if isinstance(args, str):
         try:
             args = json.loads(args)
@@ -94,12 +103,15 @@ async def _run(memory: KeyValueMemory, user_id: str | None, args: object) -> dic
         n_entries, n_users = await memory.counts()
         return {"action": "info", "backend": memory.backend_name, "is_cloud": memory.is_cloud,
                 "available": memory.is_available(), "location": memory.location,
+                "key_required": memory.key_required, "stores": memory.stores,
                 "entries": n_entries, "users": n_users}
+    if action == "evaluate":
+        return {"action": "evaluate", **await _evaluate(memory)}
     if not user_id:
         raise _ArgumentError("no user is known for this session: memory needs a user_id")
     if action == "store":
         receipt = await memory.store(user_id, args["key"], args["value"], args.get("metadata"))
-        return {"action": "store", "key": args["key"], "stored": True,
+        return {"action": "store", "key": args["key"], "stored": memory.stores,
                 "accepted_at": receipt.accepted_at}
     if action == "retrieve":
         entry = await memory.retrieve(user_id, args["key"])
@@ -116,6 +128,29 @@ async def _run(memory: KeyValueMemory, user_id: str | None, args: object) -> dic
     existed = await memory.retrieve(user_id, args["key"]) is not None
     await memory.delete(user_id, args["key"])
     return {"action": "delete", "key": args["key"], "deleted": existed}
+
+
+async def _evaluate(memory: Memory) -> dict[str, Any]:
+    """The evaluation, on scratch users; condensed for a model to read."""
+    if isinstance(memory, KeyValueMemory):
+        report = await evaluate_backends(memory.pipeline, operations=EVALUATE_OPERATIONS)
+    else:
+        ev = await evaluate_backend(memory, operations=EVALUATE_OPERATIONS)
+        report = {"evaluations": [asdict(ev)], "recommendation": recommendation([ev]),
+                  "scoring": {"explained": SCORING.explain()}}
+    return {
+        "backends": [{
+            "backend": e["backend"], "score": e["score"], "label": e["label"],
+            "functions_passed": [n for n, c in e["checks"].items() if c["passed"]],
+            "functions_failed": {n: c["reason"] for n, c in e["checks"].items()
+                                 if not c["passed"]},
+            "p99_ms": {op: v["p99"] for op, v in e["latency_ms"].items() if v},
+            "recall": e["recall"], "is_cloud": e["is_cloud"], "location": e["location"],
+            "notes": e["notes"],
+        } for e in report["evaluations"]],
+        "recommendation": report["recommendation"],
+        "scoring": report["scoring"]["explained"],
+    }
 
 
 def _ok(result: dict[str, Any]) -> str:
