@@ -7,11 +7,21 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 
 from hermes_async_memory import MemoryPipeline, Settings
 
 from .fake_honcho import FakeHoncho
 from .processes import ROOT, Spawn, Worker, child_env
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was() -> Iterator[None]:
+    """A command run in-process configures logging for its process (level, stream); the
+    next test gets the configuration back as it was."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 @pytest.fixture
