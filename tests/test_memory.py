@@ -226,3 +226,10 @@ async def test_a_producers_writes_are_read_back_before_any_worker_commits_them(
         assert await worker.store.memory_counts() == (1, 1)
         got = await worker.memory.retrieve("ann", "lang")
         assert got is not None and (got.value, got.created_at) == ("rust", first.accepted_at)
+    # An update still in the inbox, of an entry committed before: a query shows the update
+    # with the entry's own created_at (read from the store), as the commit will.
+    async with MemoryPipeline(one) as producer:
+        await producer.memory.store("ann", "lang", "zig")
+        await producer.flush()
+        hits = await producer.memory.query("ann", "zig")
+        assert [(e.value, e.created_at) for e in hits] == [("zig", first.accepted_at)]

@@ -89,6 +89,8 @@ async def test_the_null_backend_stores_nothing_and_answers_empty(tmp_path: Path)
             await kv.store("ann", "k", 5)  # type: ignore[arg-type]
         blocking = kv.blocking()
         assert blocking.retrieve("ann", "editor") is None and blocking.list_keys("ann") == []
+        with pytest.raises(InvalidEntryError, match="query must be a string"):
+            blocking.query("ann", 5)  # type: ignore[arg-type]
         await mem.flush()
         assert await mem.store.memory_counts() == (0, 0)  # nothing reached the store
 

@@ -170,17 +170,12 @@ class KeyValueMemory:
                              await self._p.store.memory_query(user, match, limit)) if e]
         if not pending:
             return found
-        touched = {op.key for op in pending}
-        latest: dict[str, MemoryEntry | None] = {}
-        for op in pending:
-            base = latest[op.key] if op.key in latest else next(
-                (e for e in found if e.key == op.key), None)
-            latest[op.key] = _apply(base, op)
+        latest = await self._after(user, pending, {e.key: e for e in found})
         wanted = set(terms)
         fresh = [e for e in latest.values()
                  if e is not None and wanted & _words(e.key + " " + e.value)]
         fresh.sort(key=lambda e: -e.updated_at)
-        return (fresh + [e for e in found if e.key not in touched])[:limit]
+        return (fresh + [e for e in found if e.key not in latest])[:limit]
 
     async def find(self, user_id: str, needle: str, *, prefix: str = "") -> MemoryEntry | None:
         """The user's most recently updated entry whose key starts with ``prefix`` and whose
@@ -190,17 +185,26 @@ class KeyValueMemory:
             raise InvalidEntryError("the text to find must be a non-empty string")
         pending = await self._pending(user)
         found = _entry(await self._p.store.memory_find(user, prefix, needle))
-        latest: dict[str, MemoryEntry | None] = {}
-        for op in pending:
-            if op.key.startswith(prefix):
-                base = latest[op.key] if op.key in latest else (
-                    found if found is not None and found.key == op.key else
-                    _entry(await self._p.store.memory_entry(user, op.key)))
-                latest[op.key] = _apply(base, op)
+        latest = await self._after(user, [op for op in pending if op.key.startswith(prefix)],
+                                   {found.key: found} if found is not None else {})
         fresh = [e for e in latest.values() if e is not None and needle in e.value]
         if fresh:
             return max(fresh, key=lambda e: e.updated_at)
         return None if found is None or found.key in latest else found
+
+    async def _after(self, user: str, pending: Sequence[KvOp],
+                     known: Mapping[str, MemoryEntry]) -> dict[str, MemoryEntry | None]:
+        """Each key that ``pending`` writes, as it stands once they apply (None: deleted),
+        starting from its committed entry (from ``known``, else read; so an update keeps
+        its ``created_at``)."""
+        latest: dict[str, MemoryEntry | None] = {}
+        for op in pending:
+            if op.key in latest:
+                base = latest[op.key]
+            else:
+                base = known.get(op.key) or _entry(await self._p.store.memory_entry(user, op.key))
+            latest[op.key] = _apply(base, op)
+        return latest
 
     async def counts(self) -> tuple[int, int]:
         """(entries, users) committed in the store."""
