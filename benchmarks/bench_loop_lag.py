@@ -38,6 +38,7 @@ import collections
 import gc
 import os
 import random
+import resource
 import subprocess
 import sys
 import threading
@@ -66,6 +67,7 @@ from _common import (
 from hermes_async_memory import MemoryPipeline, Settings
 
 GOAL_MAX_S = 0.002
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 PROBE_S = 0.001
 SESSIONS = 1_000
 SEGMENT_BYTES = 1024 * 1024
@@ -150,6 +152,8 @@ class Callback:
     duration_s: float
     cpu_s: float  # the loop thread's CPU time in it: less than the duration when it waited
     what: str
+    faults: int = 0  # page faults the loop thread took in it (minor and major)
+    preempted: int = 0  # times the OS took the CPU from it meanwhile
 
 
 @dataclass
@@ -198,22 +202,26 @@ class Attribution:
 
     def __enter__(self) -> Attribution:
         orig, long, now, cpu = self._orig_run, self.long, time.perf_counter, time.thread_time
+        usage = resource.getrusage
 
         def timed_run(handle: asyncio.Handle) -> None:
             task = _task_of(handle)
             before = _position(task.get_coro()) if task is not None else []
             c0 = cpu()
+            r0 = usage(RUSAGE_THREAD)
             t0 = now()
             orig(handle)
             dt = now() - t0
             if dt >= LONG_CALLBACK_S:
                 c = cpu() - c0
+                r1 = usage(RUSAGE_THREAD)
+                faults = r1.ru_minflt - r0.ru_minflt + r1.ru_majflt - r0.ru_majflt
                 if task is not None:
                     after = "done" if task.done() else _chain(_position(task.get_coro()))
                     what = f"a task step from [{_chain(before)}] to [{after}]"
                 else:
                     what = f"callback {handle._callback!r}"  # type: ignore[attr-defined]
-                long.append(Callback(t0, dt, c, what))
+                long.append(Callback(t0, dt, c, what, faults, r1.ru_nivcsw - r0.ru_nivcsw))
 
         asyncio.events.Handle._run = timed_run  # type: ignore[method-assign]
         gc.callbacks.append(self._on_gc)
@@ -268,7 +276,8 @@ class Attribution:
         parts = []
         for cb in self.long:
             if cb.start < end and cb.start + cb.duration_s > start:
-                parts.append(f"{cb.duration_s * 1e3:.1f} ms (CPU {cb.cpu_s * 1e3:.1f} ms) "
+                parts.append(f"{cb.duration_s * 1e3:.1f} ms (CPU {cb.cpu_s * 1e3:.1f} ms, "
+                              f"{cb.faults} page faults, preempted {cb.preempted} x) "
                               f"in {cb.what}")
         for g0, g1, gen in self.gcs:
             if g0 < end and g1 > start and g1 - g0 >= 0.0005:
@@ -522,17 +531,17 @@ async def main() -> list[Result]:
     window = (probe.wakes[0], probe.wakes[-1]) if probe.wakes else (0.0, 0.0)
     longest = sorted((c for c in attribution.long if window[0] <= c.start <= window[1]),
                      key=lambda c: -c.duration_s)
-    by_what: dict[str, list[float]] = collections.defaultdict(list)
+    by_what: dict[str, list[Callback]] = collections.defaultdict(list)
     for cb in longest:
-        by_what[cb.what].append(cb.duration_s)
-    cpu_of: dict[str, list[float]] = collections.defaultdict(list)
-    for cb in longest:
-        cpu_of[cb.what].append(cb.cpu_s)
+        by_what[cb.what].append(cb)
     print(f"loop callbacks of {LONG_CALLBACK_S * 1e3:.0f} ms or more: {len(longest)} (the "
-          "loop thread's CPU time in them says how much was its own work)")
-    for what, ds in sorted(by_what.items(), key=lambda kv: -max(cpu_of[kv[0]]))[:12]:
-        print(f"  {len(ds):4d} x, max {max(ds) * 1e3:.2f} ms (CPU max "
-              f"{max(cpu_of[what]) * 1e3:.2f} ms): {what}")
+          "loop thread's CPU time in them says how much was its own work; page faults and "
+          "preemptions are those of the one with the most CPU)")
+    for what, cbs in sorted(by_what.items(), key=lambda kv: -max(c.cpu_s for c in kv[1]))[:12]:
+        top = max(cbs, key=lambda c: c.cpu_s)
+        print(f"  {len(cbs):4d} x, max {max(c.duration_s for c in cbs) * 1e3:.2f} ms (CPU max "
+              f"{top.cpu_s * 1e3:.2f} ms, {top.faults} page faults, preempted "
+              f"{top.preempted} x): {what}")
     gcs = sorted((g1 - g0, gen) for g0, g1, gen in attribution.gcs)
     if gcs:
         print(f"garbage collections: {len(gcs)}, longest {gcs[-1][0] * 1e3:.2f} ms "
