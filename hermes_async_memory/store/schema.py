@@ -10,7 +10,9 @@ from ..errors import StoreError
 
 # 2: recall requests and results are keyed by (session, user), not by session alone.
 # 3: key-value memory (memories, memories_fts); new tables only.
-SCHEMA_VERSION = 3
+# 4: sessions keep their model config, system prompt and whether their token counts were
+#    estimated (added columns), and are listed by source.
+SCHEMA_VERSION = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -27,9 +29,13 @@ CREATE TABLE IF NOT EXISTS sessions (
     message_count INTEGER NOT NULL DEFAULT 0,
     tool_call_count INTEGER NOT NULL DEFAULT 0,
     input_tokens INTEGER NOT NULL DEFAULT 0,
-    output_tokens INTEGER NOT NULL DEFAULT 0
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    model_config TEXT,  -- JSON object, as the host gave it
+    system_prompt TEXT,  -- the latest snapshot
+    tokens_estimated INTEGER NOT NULL DEFAULT 0  -- 1: some counts were estimated from text
 );
 CREATE INDEX IF NOT EXISTS idx_sessions_user ON sessions(user_id);
+CREATE INDEX IF NOT EXISTS idx_sessions_source ON sessions(source, started_at DESC);
 CREATE INDEX IF NOT EXISTS idx_sessions_parent ON sessions(parent_session_id);
 CREATE INDEX IF NOT EXISTS idx_sessions_started ON sessions(started_at DESC);
 CREATE TABLE IF NOT EXISTS messages (
@@ -161,6 +167,9 @@ _ADDED_COLUMNS = (
     # A turn a producer could not write, handed in with why: the worker dead-letters it.
     ("inbox", "error", "TEXT"),
     ("replica_outbox", "payload", "TEXT"),
+    ("sessions", "model_config", "TEXT"),
+    ("sessions", "system_prompt", "TEXT"),
+    ("sessions", "tokens_estimated", "INTEGER NOT NULL DEFAULT 0"),
 )
 # Set on the writer connection: a batch of inbox turns commits only while its lease holds.
 LEASE_GUARD = """
@@ -195,7 +204,8 @@ async def migrate(db: aiosqlite.Connection, path: Path) -> None:
     elif row[0] < SCHEMA_VERSION:
         if row[0] < 2:
             await _rekey_recalls(db)
-        # Version 3 only added tables, which the schema script just created.
+        # Versions 3 and 4 only added tables, indexes and columns: the schema script and
+        # add_missing_columns make them.
         await db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
     await add_missing_columns(db)
     await db.commit()
