@@ -1,6 +1,13 @@
 """Operations: records that travel the outbox beside turns, ordered in lanes as turns are in
-their sessions. The one kind so far is a key-value write (``OP_KV``): put or delete one entry
-of a user's memory, in the lane ``lane_of(user)``.
+their sessions. Two kinds:
+
+- a key-value write (``OP_KV``): put or delete one entry of a user's memory, in the lane
+  ``lane_of(user)``;
+- a session lifecycle event (``OP_SESSION``), in the session's own lane, so that it commits
+  after every turn of the session accepted before it: ``describe`` (model, model config,
+  system prompt, parent, source), ``end`` (with a reason) and ``delete`` (optionally only if
+  the session ended before a cut-off and holds nothing newer: prune's form). A delete that
+  trails a pending turn removes that turn too; it can never be brought back by it.
 
 This module owns the record's format: encoding it (on the caller's thread, like a turn's),
 and reading it back with its checks (``parse_kv``), for the writer's decode, the store's
@@ -15,7 +22,14 @@ from json.encoder import encode_basestring_ascii as _esc
 from typing import Any, NamedTuple
 
 OP_KV = "kv"
-OP_KINDS = frozenset({OP_KV})
+OP_SESSION = "session"
+OP_KINDS = frozenset({OP_KV, OP_SESSION})
+SESSION_ACTIONS = frozenset({"describe", "end", "delete"})
+# What a ``describe`` may set on a session, and the type each holds.
+SESSION_FIELDS: dict[str, type] = {
+    "source": str, "model": str, "model_config": dict, "system_prompt": str,
+    "parent_session_id": str, "tokens_estimated": bool,
+}
 # No id may hold this character (``turns.check_id``), so a lane is never a session's id.
 LANE_MARK = "\x01"
 
@@ -37,6 +51,20 @@ class KvOp(NamedTuple):
     metadata: dict[str, Any] | None
 
 
+class SessionOp(NamedTuple):
+    """A session lifecycle event as read back from its record."""
+
+    record_key: str
+    session_id: str
+    user_id: str | None
+    accepted_at: float
+    action: str  # "describe", "end" or "delete"
+    fields: dict[str, Any]  # describe: what it sets (``SESSION_FIELDS``)
+    reason: str | None  # end: why the session ended
+    ended_before: float | None  # delete: only if the session ended and was idle before this
+    source: str | None  # delete: only if the session has this source
+
+
 def lane_of(user_id: str) -> str:
     """The lane a user's key-value writes are ordered in."""
     return f"{LANE_MARK}kv{LANE_MARK}{user_id}"
@@ -56,6 +84,62 @@ def encode_delete(record_key: str, user_id: str, accepted_at: float, key: str) -
     payload = _DEL % (_esc(record_key), _esc(lane_of(user_id)), _esc(user_id), accepted_at,
                       _esc(key))
     return payload.replace("'", "\\u0027") if "'" in payload else payload
+
+
+def encode_session_op(record_key: str, session_id: str, user_id: str | None,
+                      accepted_at: float, action: str, *, fields: Mapping[str, Any] | None = None,
+                      reason: str | None = None, ended_before: float | None = None,
+                      source: str | None = None) -> str:
+    """A lifecycle event's record (compact ASCII JSON, ' as \\u0027). Checked by the caller."""
+    doc: dict[str, Any] = {"x": OP_SESSION, "k": record_key, "s": session_id, "u": user_id,
+                           "t": accepted_at, "o": action}
+    if fields:
+        doc["f"] = dict(fields)
+    if reason is not None:
+        doc["r"] = reason
+    if ended_before is not None:
+        doc["b"] = ended_before
+    if source is not None:
+        doc["src"] = source
+    payload = _ENCODER.encode(doc)
+    return payload.replace("'", "\\u0027") if "'" in payload else payload
+
+
+def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
+    """The lifecycle event a record's JSON holds.
+
+    Raises:
+        ValueError, TypeError, KeyError: not a well-formed lifecycle event.
+    """
+    record_key, session_id, user_id, at, action = doc["k"], doc["s"], doc["u"], doc["t"], doc["o"]
+    if type(record_key) is not str or type(session_id) is not str:
+        raise TypeError("the event's key or session id is not a string")
+    if user_id is not None and type(user_id) is not str:
+        raise TypeError("the event's user id is not a string")
+    if not isinstance(at, (int, float)) or isinstance(at, bool):
+        raise TypeError("the event's time is not a number")
+    if action not in SESSION_ACTIONS:
+        raise ValueError(f"unknown session action {action!r:.20}")
+    fields = doc.get("f") or {}
+    if type(fields) is not dict:
+        raise TypeError("the event's fields are not an object")
+    for name, value in fields.items():
+        want = SESSION_FIELDS.get(name)
+        if want is None:
+            raise ValueError(f"unknown session field {name!r:.40}")
+        if value is not None and type(value) is not want:
+            raise TypeError(f"the session field {name} is mistyped")
+    reason, before, source = doc.get("r"), doc.get("b"), doc.get("src")
+    if reason is not None and type(reason) is not str:
+        raise TypeError("the end reason is not a string")
+    if before is not None and (not isinstance(before, (int, float)) or isinstance(before, bool)):
+        raise TypeError("the cut-off is not a number")
+    if source is not None and type(source) is not str:
+        raise TypeError("the source is not a string")
+    if "\\u0000" in payload:
+        raise ValueError("the event holds U+0000")
+    return SessionOp(record_key, session_id, user_id, float(at), action, fields, reason,
+                     None if before is None else float(before), source)
 
 
 def parse_kv(doc: Mapping[str, Any], payload: str) -> KvOp:
@@ -85,7 +169,28 @@ def parse_kv(doc: Mapping[str, Any], payload: str) -> KvOp:
     return KvOp(record_key, lane, user_id, float(at), action, key, value, metadata or None)
 
 
+def parse_op(doc: Mapping[str, Any], payload: str) -> KvOp | SessionOp:
+    """The operation a record's JSON (with an ``x`` field) holds.
+
+    Raises:
+        ValueError, TypeError, KeyError: an unknown kind, or a malformed operation.
+    """
+    kind = doc["x"]
+    if kind == OP_KV:
+        return parse_kv(doc, payload)
+    if kind == OP_SESSION:
+        return parse_session(doc, payload)
+    raise ValueError(f"unknown record kind {kind!r:.40}")
+
+
 def parse_record(payload: str) -> KvOp | None:
     """The key-value write ``payload`` holds, or None for a record of another kind."""
     doc = json.loads(payload)
     return parse_kv(doc, payload) if type(doc) is dict and doc.get("x") == OP_KV else None
+
+
+def parse_session_record(payload: str) -> SessionOp | None:
+    """The lifecycle event ``payload`` holds, or None for a record of another kind."""
+    doc = json.loads(payload)
+    return (parse_session(doc, payload) if type(doc) is dict and doc.get("x") == OP_SESSION
+            else None)

@@ -10,7 +10,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Any, NamedTuple
 
 from .errors import InvalidTurnError
-from .ops import LANE_MARK, OP_KV, parse_kv
+from .ops import LANE_MARK, OP_KV, OP_SESSION, KvOp, parse_op
 
 # One stored message: (role, content, tool_calls_json, tool_call_id, tool_name).
 MessageRow = tuple[str, str, "str | None", "str | None", "str | None"]
@@ -72,7 +72,8 @@ class Turn(NamedTuple):
     output_tokens: int
     has_nul: bool
     # What the record is: a turn (TURN), or an operation through the same durable path (a
-    # key-value write, ``ops.OP_KV``): no messages, and its lane for session id.
+    # key-value write, ``ops.OP_KV``, in its user's lane; a session lifecycle event,
+    # ``ops.OP_SESSION``, in its session's): no messages, and its lane for session id.
     kind: str = "turn"
 
     @classmethod
@@ -165,10 +166,11 @@ class Turn(NamedTuple):
     def _op_of(cls, doc: dict[str, Any], payload: str, segment: int, seq: int) -> Turn:
         """An operation's record (``ops``), checked here as a turn's is: a record no part
         can apply is dead-lettered at decode and never reaches a commit."""
-        op = parse_kv(doc, payload)
+        op = parse_op(doc, payload)
+        lane, kind = (op.lane, OP_KV) if isinstance(op, KvOp) else (op.session_id, OP_SESSION)
         return tuple.__new__(cls, (
-            op.record_key, seq, op.lane, op.user_id, op.accepted_at, payload, len(payload),
-            segment, 0, 0, "", "", None, None, None, 0, 0, False, OP_KV))
+            op.record_key, seq, lane, op.user_id, op.accepted_at, payload, len(payload),
+            segment, 0, 0, "", "", None, None, None, 0, 0, False, kind))
 
     def encode(self) -> bytes:
         """The outbox record (ASCII JSON)."""

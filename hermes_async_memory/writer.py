@@ -31,6 +31,7 @@ import structlog
 from .errors import LeaseLostError, describe
 from .faults import Fault, classify, is_disk_full
 from .metrics import PipelineObserver
+from .ops import OP_SESSION
 from .retry import Backoff
 from .slices import begin, committing, maybe_yield
 from .supervisor import DISK_FULL_STORE, Conditions
@@ -260,6 +261,12 @@ class Writer:
         for item in items:
             if isinstance(item, Turn):
                 run.append(item)
+                if item.kind == OP_SESSION:
+                    # A lifecycle event ends its batch: its statements run after the batch's
+                    # messages, so a turn behind it must commit in a later transaction (a
+                    # deleted session's next turn starts it anew, it is not deleted too).
+                    await self._write(source, run)
+                    run = []
                 continue
             if run:
                 await self._write(source, run)

@@ -549,3 +549,28 @@ def test_help_lists_the_admin_commands(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     for command in ("status", "search", "sessions", "dead-letters"):
         assert command in out
+
+
+async def test_sessions_end_delete_and_prune_from_the_cli(filled: Settings,
+                                                         run_cli: Any) -> None:
+    db = str(filled.db_path)
+    ended = await run_cli("sessions", "end", "a1", "--reason", "user_exit", "--db", db,
+                          "--json")
+    assert ended.code == 0 and ended.json() == {"session_id": "a1", "ended": True,
+                                                "reason": "user_exit"}
+    shown = await run_cli("sessions", "show", "a1", "--db", db, "--json")
+    assert (shown.json()["end_reason"], shown.json()["ended_at"] is not None) == (
+        "user_exit", True)
+    deleted = await run_cli("sessions", "delete", "b1", "--db", db)
+    assert (deleted.code, deleted.out.strip()) == (0, "deleted b1")
+    gone = await run_cli("sessions", "show", "b1", "--db", db)
+    assert gone.code != 0 and "no session 'b1'" in one_error_line(gone.err)
+    found = await run_cli("search", "swordfish", "--user", "bob", "--db", db, "--json")
+    assert found.code == 0 and found.json() == []  # its index rows went with it
+    # a1 ended; a2 and n1 are open: prune takes a1 only.
+    pruned = await run_cli("sessions", "prune", "--older-than", "0", "--db", db, "--json")
+    assert pruned.code == 0 and pruned.json()["deleted"] == ["a1"]
+    listed = await run_cli("sessions", "list", "--db", db, "--json")
+    assert sorted(s["id"] for s in listed.json()) == ["a2", "n1"]
+    bad = await run_cli("sessions", "prune", "--older-than", "-3", "--db", db)
+    assert bad.code != 0 and "older_than_days" in one_error_line(bad.err)

@@ -103,3 +103,24 @@ async def test_every_public_call_refuses_an_id_no_store_can_hold(
         await mem.flush(session_id=bad)
     await anyio.lowlevel.checkpoint()
     assert mem.stats().accepted_turns == 0
+
+
+def test_a_read_from_before_a_delete_does_not_put_the_session_back() -> None:
+    """A warm-up or recall that read the store before a session was deleted lands after the
+    delete: what it read must not come back (nor a block of the user's other session)."""
+    from hermes_async_memory.recall.cache import RecallCache
+
+    cache = RecallCache(max_sessions=10, recent_turns=4, recent_chars=200)
+    cache.set_recall("ann", "other", "q", "Related memory:\n- old words")
+    epoch = cache.epoch()  # a reader starts here
+    cache.forget_session("s1", "ann")
+    assert "old words" not in cache.get("ann", "other")  # the user's blocks went too
+    assert not cache.warm("ann", "s1", [("k1", "deleted words", "ok")], 0.0, epoch=epoch)
+    cache.set_recall("ann", "other", "q", "Related memory:\n- deleted words", epoch=epoch)
+    assert ("ann", "s1") not in cache
+    assert "deleted words" not in cache.get("ann", "other")
+    # A reader that started after the delete is served as usual.
+    assert cache.warm("ann", "s1", [("k2", "new words", "ok")], 0.0, epoch=cache.epoch())
+    assert "new words" in cache.get("ann", "s1")
+    cache.set_recall("bob", "b1", "q", "Related memory:\n- bob's", epoch=epoch)  # not deleted
+    assert "bob's" in cache.get("bob", "b1")

@@ -174,6 +174,7 @@ def test_hermes_atexit_cleanup_after_ours_still_stores_its_turns(tmp_path: Path)
         mm.add_provider(p)
         mm.initialize_all(session_id="s1", hermes_home=sys.argv[1], platform="cli")
         mm.sync_all("before exit", "ok", session_id="s1")
+        assert mm.flush_pending(timeout=10)  # accepted before the exit, not racing it
         # Hold the manager's single worker until the clean-up runs, so these three are
         # still queued when our atexit hook closes the pipeline.
         mm._submit_background(gate.wait)

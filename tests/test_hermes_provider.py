@@ -121,6 +121,7 @@ def test_memory_manager_life_cycle_loses_nothing(installed: Path) -> None:
     mm = MemoryManager()
     mm.add_provider(provider)
     assert mm.has_tool(SEARCH_TOOL)
+    assert mm.has_tool(MEMORY_TOOL)  # registered: Hermes drops a provider tool named "memory"
     # As run_agent does: hermes_home is injected by the manager from HERMES_HOME.
     mm.initialize_all(session_id="s1", platform="cli", agent_context="primary",
                       agent_identity="coder", agent_workspace="hermes")
@@ -152,7 +153,8 @@ def test_memory_manager_life_cycle_loses_nothing(installed: Path) -> None:
     assert provider.session_id == "s2"
     mm.sync_all("s2 question about porto", "s2 answer", session_id="s2",
                 messages=[{"role": "user", "content": "s2 question about porto"},
-                          {"role": "assistant", "content": "s2 answer"}])
+                          {"role": "assistant", "content": "s2 answer",
+                           "usage": {"prompt_tokens": 120, "completion_tokens": 7}}])
     # /new: a reset flushes, and is not lineage.
     assert mm.flush_pending(timeout=WAIT_S)
     mm.on_session_switch("s3", parent_session_id="s2", reset=True, reason="new_session")
@@ -180,12 +182,26 @@ def test_memory_manager_life_cycle_loses_nothing(installed: Path) -> None:
     try:
         sessions = {r[0]: r[1:] for r in conn.execute(
             "SELECT id, source, user_id, model, parent_session_id FROM sessions")}
+        ends = {r[0]: r[1:] for r in conn.execute(
+            "SELECT id, end_reason, ended_at IS NOT NULL, input_tokens, output_tokens, "
+            "tokens_estimated FROM sessions")}
         metadata = json.loads(conn.execute(
             "SELECT metadata FROM messages WHERE session_id = 's1' LIMIT 1").fetchone()[0])
     finally:
         conn.close()
     assert sessions["s1"] == ("cli", "local:coder", "test-model", None)
     assert sessions["s2"] == ("cli", "local:coder", "test-model", "s1")
+    # Each session ended on record, with why: split by compression, left by /new, and the
+    # current one at the session's end.
+    assert [ends[s][:2] for s in ("s1", "s2", "s3")] == [
+        ("compression", 1), ("new_session", 1), ("session_end", 1)]
+    # s1's messages reported no usage: its counts are estimated (~4 characters a token),
+    # and marked so; s2's assistant reported its usage.
+    sent = [len(u) for u, _ in conversation(3, "s1")]
+    sent[1] += len("tool says hi")  # the tool result went to the model in turn 1
+    assert ends["s1"][2] == sum(-(-n // 4) for n in sent)
+    assert ends["s1"][3] > 0 and ends["s1"][4] == 1
+    assert ends["s2"][2:] == (120, 7, 0)
     assert metadata["agent_identity"] == "coder"
     assert metadata["agent_workspace"] == "hermes"
 

@@ -1,8 +1,16 @@
-"""``hermes-memory sessions list | show | export``: the stored sessions and their messages.
+"""``hermes-memory sessions list | show | export | end | delete | prune``: the stored
+sessions, their messages, and their lifecycle.
 
     hermes-memory sessions list [--user U] [--limit N] [--json]
     hermes-memory sessions show ID [--json]
     hermes-memory sessions export [--output FILE|-] [--user U] [--session S]
+    hermes-memory sessions end ID [--reason R] [--json]
+    hermes-memory sessions delete ID [--json]
+    hermes-memory sessions prune --older-than DAYS [--source S] [--json]
+
+The writes go through the durable path, as the library's do: the CLI opens the store's
+pipeline (or, when a worker process holds it, hands the events to that worker through the
+shared inbox) and waits for them to commit.
 """
 
 from __future__ import annotations
@@ -11,13 +19,17 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+import anyio
 
 from ..errors import ConfigurationError
 from ..extras import require
+from ..outbox.log import OutboxBusyError
+from ..settings import Settings
 from . import PROG
 from .common import (
     EXIT_OK,
@@ -32,6 +44,9 @@ from .common import (
     table,
     when,
 )
+
+if TYPE_CHECKING:
+    from ..pipeline import MemoryPipeline
 
 DEFAULT_LIST_LIMIT = 50
 
@@ -67,6 +82,30 @@ def register(commands: Any) -> None:
     export.add_argument("--user", metavar="U", help="only this user's sessions")
     export.add_argument("--session", metavar="S", help="only this session")
     export.set_defaults(handler=guarded(_sessions_export))
+    end = sessions.add_parser(
+        "end", parents=[db, as_json], help="mark a session ended",
+        description="Mark a session ended now, with a reason.",
+    )
+    end.add_argument("session_id", metavar="ID")
+    end.add_argument("--reason", default="ended_by_admin", metavar="R",
+                     help="why it ended (default ended_by_admin)")
+    end.set_defaults(handler=guarded(_sessions_end))
+    delete = sessions.add_parser(
+        "delete", parents=[db, as_json], help="delete a session and its messages",
+        description="Delete a session with its messages, their index rows and its cached "
+                    "recall blocks. Its turns still pending go with it.",
+    )
+    delete.add_argument("session_id", metavar="ID")
+    delete.set_defaults(handler=guarded(_sessions_delete))
+    prune = sessions.add_parser(
+        "prune", parents=[db, as_json], help="delete old ended sessions",
+        description="Delete the sessions that ended more than DAYS ago and have had nothing "
+                    "stored since. Never an open session, nor one with a pending turn.",
+    )
+    prune.add_argument("--older-than", type=float, required=True, metavar="DAYS",
+                       dest="older_than", help="age in days since the session ended")
+    prune.add_argument("--source", metavar="S", help="only sessions from this source")
+    prune.set_defaults(handler=guarded(_sessions_prune))
 
 
 def _sessions_list(args: argparse.Namespace) -> int:
@@ -134,6 +173,64 @@ def _sessions_export(args: argparse.Namespace) -> int:
     if not to_stdout:
         print(f"exported {total} sessions ({n_messages} messages) to {args.output}")
     return EXIT_OK
+
+
+def _sessions_end(args: argparse.Namespace) -> int:
+    async def run() -> dict[str, Any]:
+        async with _writing(settings_of(args)) as mem:
+            receipt = mem.sessions.end_nowait(args.session_id, args.reason)
+            await mem.flush_lane(receipt.session_id, mem.settings.shutdown_deadline_s)
+        return {"session_id": args.session_id, "ended": True, "reason": args.reason}
+
+    done = anyio.run(run)
+    print_json(done) if args.json else print(f"ended {args.session_id} ({args.reason})")
+    return EXIT_OK
+
+
+def _sessions_delete(args: argparse.Namespace) -> int:
+    async def run() -> dict[str, Any]:
+        async with _writing(settings_of(args)) as mem:
+            receipt = mem.sessions.delete_nowait(args.session_id)
+            await mem.flush_lane(receipt.session_id, mem.settings.shutdown_deadline_s)
+        return {"session_id": args.session_id, "deleted": True}
+
+    done = anyio.run(run)
+    print_json(done) if args.json else print(f"deleted {args.session_id}")
+    return EXIT_OK
+
+
+def _sessions_prune(args: argparse.Namespace) -> int:
+    async def run() -> dict[str, Any]:
+        async with _writing(settings_of(args)) as mem:
+            result = await mem.sessions.prune(args.older_than, source=args.source)
+        return result.as_dict()
+
+    done = anyio.run(run)
+    if args.json:
+        print_json(done)
+    else:
+        kept = len(done["candidates"]) - len(done["deleted"])
+        print(f"pruned {len(done['deleted'])} sessions"
+              + (f" ({kept} kept: a turn arrived meanwhile)" if kept else ""))
+    return EXIT_OK
+
+
+@asynccontextmanager
+async def _writing(settings: Settings) -> AsyncIterator[MemoryPipeline]:
+    """The store's pipeline for a write; when a worker process holds the store's outbox, a
+    producer that hands the write to that worker through the shared inbox."""
+    from ..pipeline import MemoryPipeline
+
+    try:
+        pipeline = MemoryPipeline(settings)
+        await pipeline.start()
+    except OutboxBusyError:
+        pipeline = MemoryPipeline(settings.replace(role="producer"))
+        await pipeline.start()
+    try:
+        yield pipeline
+    finally:
+        await pipeline.aclose()
 
 
 @contextmanager

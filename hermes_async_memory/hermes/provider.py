@@ -39,6 +39,7 @@ from ..errors import (
 from ..memory import MEMORY_SCHEMA, MEMORY_TOOL, call_memory_tool
 from ..memory.mirror import mirror_builtin_write, record_delegation
 from ..settings import Settings
+from ..turns import MAX_TOKENS
 from . import config as _config
 from .runtime import Runtime, acquire, release
 
@@ -72,6 +73,7 @@ PRE_COMPRESS_QUERY_CHARS = 2000
 PRE_COMPRESS_TIMEOUT_S = 2.0
 # Sessions whose lineage (parent session) is remembered for their turns' metadata.
 MAX_LINEAGE = 256
+CHARS_PER_TOKEN = 4  # the estimate when a turn's messages report no usage
 
 SYSTEM_PROMPT = (
     "## Long-term memory\n"
@@ -125,6 +127,9 @@ class HermesMemoryProvider(_ProviderBase):
         self._parents: dict[str, str] = {}
         self._model: str | None = None
         self._turn_number = 0
+        self._remaining_tokens: int | None = None
+        # Sessions whose row was marked as holding estimated token counts (bounded).
+        self._estimated: dict[str, None] = {}
 
     # -- identity ----------------------------------------------------------------------
 
@@ -190,6 +195,15 @@ class HermesMemoryProvider(_ProviderBase):
             if self._runtime is None:
                 self._runtime = acquire(settings, contextvars.copy_context())
         self._warm(session_id)
+        model = _text(kwargs.get("model"))
+        if model:
+            self._model = model
+        config, prompt = kwargs.get("model_config"), kwargs.get("system_prompt")
+        self._describe(session_id, "initialize", source=platform or None,
+                       parent_session_id=_text(kwargs.get("parent_session_id")) or None,
+                       model=model or None,
+                       model_config=dict(config) if isinstance(config, Mapping) else None,
+                       system_prompt=prompt if isinstance(prompt, str) and prompt else None)
         log.info("hermes_provider_initialized", session_id=session_id, platform=platform,
                  db=str(settings.db_path), writes=self._writes)
 
@@ -251,6 +265,15 @@ class HermesMemoryProvider(_ProviderBase):
         runtime = self._require_runtime()
         rows = this_turn(messages, user_content, assistant_content) if messages else None
         metadata = self._turn_metadata(session)
+        tokens_in, tokens_out, estimated = token_counts(rows, user_content, assistant_content)
+        metadata["input_tokens"], metadata["output_tokens"] = tokens_in, tokens_out
+        if estimated:
+            metadata["tokens_estimated"] = True
+            if session not in self._estimated:
+                self._estimated[session] = None
+                while len(self._estimated) > MAX_LINEAGE:
+                    self._estimated.pop(next(iter(self._estimated)))
+                self._describe(session, "sync_turn", tokens_estimated=True)
         try:
             runtime.sync_turn(user_content, assistant_content, session_id=session,
                               user_id=self._user_id, messages=rows, metadata=metadata)
@@ -315,14 +338,22 @@ class HermesMemoryProvider(_ProviderBase):
     # -- hooks -------------------------------------------------------------------------
 
     def on_turn_start(self, turn_number: int, message: str, **kwargs: Any) -> None:
-        """Keep the turn number and the model for the turns' metadata."""
+        """Keep the turn number, the model and the tokens left for the turns' metadata; a
+        new model is also recorded on the session."""
         self._turn_number = turn_number if isinstance(turn_number, int) else 0
+        remaining = kwargs.get("remaining_tokens")
+        self._remaining_tokens = (remaining if isinstance(remaining, int)
+                                  and not isinstance(remaining, bool) and remaining >= 0
+                                  else None)
         model = kwargs.get("model")
-        if isinstance(model, str) and model:
+        if isinstance(model, str) and model and model != self._model:
             self._model = model
+            self._describe(self._session_id, "on_turn_start", model=model)
 
     def on_session_end(self, messages: list[dict[str, Any]]) -> None:
-        """Commit everything accepted so far (bounded; the rest stays durable)."""
+        """End the session on record (reason ``session_end``) and commit everything accepted
+        so far (bounded; the rest stays durable)."""
+        self._end(self._session_id, "session_end")
         self._flush_quietly("session_end")
 
     def on_session_switch(self, new_session_id: str, *, parent_session_id: str = "",
@@ -330,12 +361,18 @@ class HermesMemoryProvider(_ProviderBase):
         """Rebind to ``new_session_id``. A reset (``/new``) first commits the old session's
         turns; a compression or a branch records the old session as the new one's parent.
         A rewind (``/undo``) changes nothing: stored turns are history."""
+        reason = kwargs.get("reason")
+        old = self._session_id
+        if old and new_session_id and old != new_session_id and (reset or reason):
+            # The old session ends here: a reset (/new) or a compression split.
+            self._end(old, "new_session" if reset else str(reason)[:64])
         if reset:
             self._flush_quietly("session_reset")
-        reason = kwargs.get("reason")
         lineage = reason in ("compression", "branch") or (reason is None and not reset)
         if lineage and parent_session_id and parent_session_id != new_session_id:
             self._remember_parent(new_session_id, parent_session_id)
+            self._describe(new_session_id, "on_session_switch",
+                           parent_session_id=parent_session_id)
         if new_session_id:
             self._session_id = new_session_id
             self._warm(new_session_id)
@@ -405,6 +442,39 @@ class HermesMemoryProvider(_ProviderBase):
                 p.memory, user, action, _text(target), _text(content), old_text=old,
                 provenance={k: v for k, v in provenance.items()
                             if _is_plain(v) and k != "old_text"}))
+
+    def _describe(self, session_id: str, what: str, **fields: Any) -> None:
+        """Record what is known of a session on its row (``SessionWrites.describe_nowait``)."""
+        given = {k: v for k, v in fields.items() if v is not None}
+        if not self._writes or not session_id or not given:
+            return
+        # A row this creates gets the platform for source, as the session's turns would.
+        given.setdefault("source", self._base_metadata.get("source"))
+        if given["source"] is None:
+            del given["source"]
+        user = self._user_id
+        self._session_write(what, lambda p: p.sessions.describe_nowait(
+            session_id, user_id=user, **given))
+
+    def _end(self, session_id: str, reason: str) -> None:
+        if not self._writes or not session_id:
+            return
+        user = self._user_id
+        self._session_write("end", lambda p: p.sessions.end_nowait(session_id, reason,
+                                                                   user_id=user))
+
+    def _session_write(self, what: str, write: Callable[[MemoryPipeline], object]) -> None:
+        """A lifecycle write for a hook, on the caller's thread as ``sync_turn`` is (durable
+        when this returns, no wait on the loop); a failure is logged: Hermes ignores what a
+        hook raises, and the session's turns are stored regardless."""
+        runtime = self._runtime
+        pipeline = runtime.pipeline if runtime is not None and runtime.is_open else None
+        if pipeline is None:
+            return
+        try:
+            write(pipeline)
+        except HermesMemoryError as exc:
+            log.warning("hermes_session_hook_failed", hook=what, error=describe(exc))
 
     def _memory_call(self, what: str,
                      make: Callable[[MemoryPipeline], Coroutine[Any, Any, object]]) -> None:
@@ -501,6 +571,8 @@ class HermesMemoryProvider(_ProviderBase):
             md["model"] = self._model
         if self._turn_number:
             md["turn_number"] = self._turn_number
+        if self._remaining_tokens is not None:
+            md["remaining_tokens"] = self._remaining_tokens
         return md
 
     def _remember_parent(self, session_id: str, parent: str) -> None:
@@ -564,6 +636,43 @@ def this_turn(messages: Sequence[Mapping[str, Any]], user_content: str,
                 rows[0]["content"] = user_content
             return rows
     return None
+
+
+def token_counts(rows: Sequence[Mapping[str, Any]] | None, user_content: str,
+                 assistant_content: str) -> tuple[int, int, bool]:
+    """(input tokens, output tokens, estimated) of a turn: the usage its assistant messages
+    report when every one of them reports it (OpenAI's ``prompt_tokens`` and
+    ``completion_tokens``, or ``input_tokens`` and ``output_tokens``); else estimated at
+    about four characters a token, from what was sent (user and tool text) and what came
+    back (assistant text and tool calls)."""
+    replies = [m for m in rows or () if m.get("role") == "assistant"]
+    if replies and all(isinstance(m.get("usage"), Mapping) for m in replies):
+        tokens_in = tokens_out = 0
+        for m in replies:
+            usage = m["usage"]
+            got_in = usage.get("prompt_tokens", usage.get("input_tokens"))
+            got_out = usage.get("completion_tokens", usage.get("output_tokens"))
+            if not (_is_count(got_in) and _is_count(got_out)):
+                break
+            tokens_in += got_in
+            tokens_out += got_out
+        else:
+            return min(tokens_in, MAX_TOKENS), min(tokens_out, MAX_TOKENS), False
+    sent = len(user_content) if not rows else 0
+    said = len(assistant_content) if not rows else 0
+    for m in rows or ():
+        text = m.get("content")
+        size = len(text) if isinstance(text, str) else 0
+        if m.get("role") == "assistant":
+            calls = m.get("tool_calls")
+            said += size + (len(json.dumps(calls, default=str)) if calls else 0)
+        else:
+            sent += size
+    return -(-sent // CHARS_PER_TOKEN), -(-said // CHARS_PER_TOKEN), True
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
 
 
 def _text(value: object) -> str:

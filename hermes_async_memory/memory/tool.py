@@ -18,7 +18,9 @@ from .backends import BackendLimitError, Memory
 from .entries import InvalidEntryError
 from .evaluation import SCORING, evaluate_backend, evaluate_backends, recommendation
 
-MEMORY_TOOL = "memory"
+# Hermes keeps "memory" for its built-in MEMORY.md tool and drops a provider tool of that name:
+# ours is the seed's name.
+MEMORY_TOOL = "memory_backend"
 ACTIONS = ("store", "retrieve", "query", "list", "delete", "info", "evaluate")
 EVALUATE_OPERATIONS = 50  # operations per measure when a model asks (the CLI runs more)
 _ALLOWED = {

@@ -21,10 +21,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..ops import OP_SESSION, parse_session_record
+
 if TYPE_CHECKING:
     from ..turns import Turn
 
 CacheKey = tuple[str | None, str]  # (user id, session id)
+MAX_DELETES_KEPT = 4096  # deleted sessions and users remembered against late results
 RECALL_HEADER = "Related memory:"
 
 
@@ -74,6 +77,11 @@ class RecallCache:
         self.misses = 0
         # Called after every change (event-loop thread): the pipeline wakes its waiters.
         self.on_change: Callable[[], None] = _nothing
+        # Deleted sessions (and their users), with the count of deletes when each went: a
+        # warm-up or recall that read the store before the delete must not put back what it
+        # read (``epoch()`` when it started, passed to ``warm``/``set_recall``).
+        self._deletes = 0
+        self._deleted: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -128,7 +136,9 @@ class RecallCache:
         ``on_change`` after them all."""
         limit, touch = self._recent_chars, self._touch
         for t in turns:
-            if t.kind != "turn":  # an operation (a key-value write): no session's turn
+            if t.kind != "turn":  # an operation: no session's turn
+                if t.kind == OP_SESSION and _deletes(t):
+                    self.forget_session(t.session_id, t.user_id)
                 continue
             entry = touch((t.user_id, t.session_id))
             entry.recent.append((t.key, _clip(t.user_text, limit),
@@ -140,11 +150,49 @@ class RecallCache:
         if turns:
             self.on_change()
 
+    def epoch(self) -> int:
+        """The deletes so far: what a reader of the store notes before it reads."""
+        return self._deletes
+
+    def _stale(self, user_id: str | None, session_id: str, epoch: int | None) -> bool:
+        """Whether a result read at ``epoch`` may hold what a later delete removed."""
+        if epoch is None or epoch == self._deletes:
+            return False
+        deleted = self._deleted
+        return (deleted.get(("s", session_id), -1) > epoch
+                or (user_id is not None and deleted.get(("u", user_id), -1) > epoch))
+
+    def forget_session(self, session_id: str, user_id: str | None) -> None:
+        """A deleted session: its entries go, and so do the recall blocks of its user's other
+        sessions (a block may quote it) until their next recall."""
+        self._deletes += 1
+        marks = [("s", session_id)] + ([("u", user_id)] if user_id is not None else [])
+        for mark in marks:
+            self._deleted[mark] = self._deletes
+            self._deleted.move_to_end(mark)
+        while len(self._deleted) > MAX_DELETES_KEPT:
+            self._deleted.popitem(last=False)
+        entries = self._entries
+        gone = [key for key in entries if key[1] == session_id]
+        for key in gone:
+            del entries[key]
+        dropped = 0
+        if user_id is not None:
+            for (user, _), entry in entries.items():
+                if user == user_id and entry.recall_block:
+                    entry.recall_block, entry.recall_query, entry.recall_mono = "", None, None
+                    entry.version += 1
+                    dropped += 1
+        if gone or dropped:
+            self.on_change()
+
     def warm(self, user_id: str | None, session_id: str,
-             turns: list[tuple[str, str, str]], now: float) -> bool:
+             turns: list[tuple[str, str, str]], now: float, *, epoch: int | None = None) -> bool:
         """Merge a session's stored recent turns (oldest first: key, user text, assistant
         text) in front of what this process committed for it since. Returns whether the
-        session's block changed."""
+        session's block changed. Dropped when the session was deleted after ``epoch``."""
+        if self._stale(user_id, session_id, epoch):
+            return False
         key = (user_id, session_id)
         entry = self._entries.get(key)
         fresh = entry is None
@@ -174,13 +222,16 @@ class RecallCache:
         return True
 
     def set_recall(self, user_id: str | None, session_id: str, query: str, block: str,
-                   *, source: str = "local", fallback: bool = False) -> None:
+                   *, source: str = "local", fallback: bool = False,
+                   epoch: int | None = None) -> None:
         """A recall's block for the session's next prefetch.
 
         ``fallback``: the backend failed and ``block`` is the local store's. If the session
         holds a good block from the backend, that block stays, marked stale (its age keeps
         growing); otherwise the local block is served.
         """
+        if self._stale(user_id, session_id, epoch):
+            return  # read before a delete of the session or of its user's other session
         entry = self._touch((user_id, session_id))
         if fallback and entry.recall_block and entry.recall_source != "local":
             entry.recall_stale = True
@@ -222,6 +273,12 @@ class RecallCache:
             if block:
                 parts.append(block)
         return "\n\n".join(parts)
+
+
+def _deletes(record: Turn) -> bool:
+    """Whether a lifecycle event's record deletes its session (prune's form included)."""
+    op = parse_session_record(record.payload)
+    return op is not None and op.action == "delete"
 
 
 def _nothing() -> None:

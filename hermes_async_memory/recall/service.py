@@ -211,6 +211,7 @@ class RecallService:
                     await self._barrier.wait(target)
             if self._cache.needs_warm(user_id, session_id):
                 await self._warm_now((user_id, session_id))  # a resumed session: its turns first
+            epoch = self._cache.epoch()
             try:
                 recalled = await self.recaller.recall(query, user_id, session_id)
             except Exception as exc:  # the per-recall boundary
@@ -221,7 +222,8 @@ class RecallService:
                 continue
             if recalled is not None:
                 self._cache.set_recall(user_id, session_id, query, recalled.block,
-                                       source=recalled.source, fallback=recalled.fallback)
+                                       source=recalled.source, fallback=recalled.fallback,
+                                       epoch=epoch)
             self._changed()
 
     async def run_warmer(self) -> None:
@@ -240,6 +242,7 @@ class RecallService:
             return
         self._warming.add(key)
         user_id, session_id = key
+        epoch = self._cache.epoch()
         try:
             turns = await self._store.recent_turns(session_id, self._recent_turns * 4)
         except Exception as exc:  # the per-job boundary: a cold cache is not an error
@@ -250,5 +253,5 @@ class RecallService:
         finally:
             self._warming.discard(key)
         mine = [(k, u, a) for k, uid, u, a in turns if uid == user_id][-self._recent_turns:]
-        if self._cache.warm(user_id, session_id, mine, self._clock()):
+        if self._cache.warm(user_id, session_id, mine, self._clock(), epoch=epoch):
             self.sessions_warmed += 1

@@ -3,7 +3,7 @@
 ``SqliteStore`` is the one class the library uses. Its parts, one module each, are the data
 they hold: ``connections`` (opening, pragmas, closing), ``schema`` (tables and migrations),
 ``batch`` (one group commit's statements), ``messages`` (messages and sessions),
-``memories`` (key-value memory), ``keys``
+``memories`` (key-value memory), ``lifecycle`` (session lifecycle events), ``keys``
 (done keys), ``inbox`` (the shared inbox), ``recalls`` (recall requests and results),
 ``replica`` (the replica outbox) and ``dead_letters``; ``sql`` holds the helpers they share.
 ``inspect.StoreReader`` reads a store file read-only and synchronously, for the admin CLI.
@@ -16,6 +16,7 @@ from .connections import STATEMENT_BUSY_MS
 from .dead_letters import DeadLetter, DeadLetters
 from .inbox import Inbox
 from .keys import DoneKeys
+from .lifecycle import Lifecycle
 from .memories import EntryRow, Memories
 from .messages import Hit, Messages
 from .recalls import Recalls
@@ -24,7 +25,8 @@ from .schema import SCHEMA, SCHEMA_VERSION
 from .sql import sql_literal
 
 
-class SqliteStore(Messages, Memories, DoneKeys, Inbox, Recalls, ReplicaOutbox, DeadLetters):
+class SqliteStore(Messages, Memories, Lifecycle, DoneKeys, Inbox, Recalls, ReplicaOutbox,
+                  DeadLetters):
     """The system of record. ``open()`` before use, ``aclose()`` after.
 
     One class over the parts, each a table's reads and writes on the connections they

@@ -10,8 +10,10 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..ops import OP_KV, OP_SESSION
 from ..turns import TURN, Turn
-from .memories import op_statements
+from .lifecycle import session_statements
+from .memories import op_statements, ops_done
 from .sql import sql_literal
 
 # A big token count is written as an integer and read back by SQLite as a real, as the old
@@ -224,7 +226,8 @@ class Batch:
                    ) -> list[str]:
         """What the batch's transaction runs after inserting its messages: the replica
         outbox rows, the FTS index, the sessions, and the outbox keys marked 'done'; then
-        the key-value records (with replica rows of their own when ``replica_kv``)."""
+        the key-value records (with replica rows of their own when ``replica_kv``) and the
+        session lifecycle events, in batch order, and their keys marked 'done'."""
         # The batch's messages are the last n_messages rows once inserted: ids are
         # consecutive inside the transaction.
         start = f"((SELECT max(id) FROM messages) - {int(self.n_messages)})"
@@ -240,7 +243,13 @@ class Batch:
             for segment, after, upto in self.segment_runs(0)
         ]
         if self.ops:
-            script += op_statements(self.ops, now_sql, replica if replica_kv else None)
+            kv = [t for t in self.ops if t.kind == OP_KV]
+            if kv:
+                script += op_statements(kv, replica if replica_kv else None)
+            lifecycle = [t for t in self.ops if t.kind == OP_SESSION]
+            if lifecycle:
+                script += session_statements(lifecycle, self.source)
+            script.append(ops_done(self.ops, now_sql))
         return script
 
     def lease_statements(self) -> list[str]:

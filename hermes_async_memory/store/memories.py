@@ -57,16 +57,19 @@ QUERY = (
 EntryRow = tuple[str, str, str, float, float, str | None]
 
 
-def op_statements(ops: Sequence[Turn], now_sql: str, replica: str | None = None
-                  ) -> list[str]:
-    """The statements that apply ``ops`` (key-value records, in batch order) and mark them
-    done, for a batch's transaction; with ``replica``, each also waits for that backend."""
+def ops_done(ops: Sequence[Turn], now_sql: str) -> str:
+    """The statement that marks a batch's operations (of every kind) done."""
+    done = [[t.key, t.session_id, t.segment, t.accepted_at] for t in ops]
+    return INSERT_OPS_DONE.format(rows=sql_literal(_ROWS.encode(done)), now=now_sql)
+
+
+def op_statements(ops: Sequence[Turn], replica: str | None = None) -> list[str]:
+    """The statements that apply ``ops`` (key-value records, in batch order) for a batch's
+    transaction; with ``replica``, each also waits for that backend."""
     net: dict[tuple[str, str], list[Any]] = {}  # (user, key) -> [effect, value, md, c, u]
-    done = []
     for t in ops:
         op = parse_record(t.payload)
         assert op is not None  # the batch holds only key-value operations here
-        done.append([t.key, t.session_id, t.segment, op.accepted_at])
         was = net.get((op.user_id, op.key))
         entry: list[Any]
         if op.action == "del":
@@ -89,7 +92,6 @@ def op_statements(ops: Sequence[Turn], now_sql: str, replica: str | None = None
         script.append(DELETE_ENTRIES.format(rows=sql_literal(_ROWS.encode(deletes))))
     if puts:
         script.append(UPSERT_ENTRIES.format(rows=sql_literal(_ROWS.encode(puts))))
-    script.append(INSERT_OPS_DONE.format(rows=sql_literal(_ROWS.encode(done)), now=now_sql))
     if replica is not None:
         rows = _ROWS.encode([[t.key, t.session_id, t.payload] for t in ops])
         script.append(INSERT_OPS_REPLICA.format(backend=sql_literal(replica),

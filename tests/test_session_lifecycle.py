@@ -1,0 +1,160 @@
+"""Session lifecycle through the durable path: describe, end, delete and prune are records in
+the session's lane, so they commit after the session's earlier turns and before its later
+ones; a pending turn never brings a deleted session back, and prune spares open sessions and
+sessions with pending turns."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory.sessions.lifecycle import InvalidSessionError, SessionWrites
+
+
+def rows(db: Path, sql: str, *params: object) -> list[tuple[object, ...]]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def session_row(db: Path, sid: str) -> dict[str, object] | None:
+    with sqlite3.connect(db) as conn:
+        conn.row_factory = sqlite3.Row
+        row = conn.execute("SELECT * FROM sessions WHERE id = ?", (sid,)).fetchone()
+    return None if row is None else dict(row)
+
+
+def fts_hits(db: Path, word: str) -> int:
+    return int(rows(db, "SELECT count(*) FROM messages_fts WHERE messages_fts MATCH ?",
+                    f'content:"{word}"')[0][0])
+
+
+async def test_describe_and_end_fill_the_session_row(mem: MemoryPipeline) -> None:
+    db = mem.settings.db_path
+    writes = SessionWrites(mem)
+    mem.sync_turn("hello", "hi", session_id="s1", user_id="ann")
+    writes.describe_nowait("s1", user_id="ann", source="telegram", model="m-large",
+                           model_config={"temperature": 0.2, "tools": ["a", "b"]},
+                           system_prompt="You are terse.", parent_session_id="s0")
+    await mem.flush()
+    row = session_row(db, "s1")
+    assert row is not None
+    assert (row["source"], row["user_id"], row["model"], row["parent_session_id"],
+            row["system_prompt"]) == ("telegram", "ann", "m-large", "s0", "You are terse.")
+    assert row["model_config"] == '{"temperature":0.2,"tools":["a","b"]}'
+    assert row["message_count"] == 2 and row["ended_at"] is None
+    # A later describe changes only what it carries.
+    writes.describe_nowait("s1", system_prompt="You are verbose.")
+    receipt = writes.end_nowait("s1", "user_exit")
+    await mem.flush()
+    row = session_row(db, "s1")
+    assert row is not None
+    assert (row["model"], row["system_prompt"], row["end_reason"]) == (
+        "m-large", "You are verbose.", "user_exit")
+    assert row["ended_at"] == pytest.approx(receipt.accepted_at)
+    # Ending a session that never stored a turn puts its end on record.
+    writes.end_nowait("empty", "timeout", user_id="bob")
+    await mem.flush()
+    row = session_row(db, "empty")
+    assert row is not None and (row["end_reason"], row["user_id"], row["message_count"]) == (
+        "timeout", "bob", 0)
+
+
+async def test_delete_takes_the_pending_turns_before_it_and_not_those_after(
+        mem: MemoryPipeline) -> None:
+    db = mem.settings.db_path
+    writes = SessionWrites(mem)
+    mem.sync_turn("committed zebra", "ok", session_id="s1", user_id="ann")
+    await mem.flush()
+    await mem.search("zebra", user_id="ann")  # a recall block cached in the store
+    mem.queue_prefetch("zebra", session_id="s1", user_id="ann")
+    # Accepted back to back, so they commit in the same writer round: the delete must run
+    # after the first turn's messages and before the second's.
+    mem.sync_turn("pending walrus", "ok", session_id="s1", user_id="ann")
+    writes.delete_nowait("s1", user_id="ann")
+    mem.sync_turn("after narwhal", "ok", session_id="s1", user_id="ann")
+    await mem.flush()
+    texts = [m["content"] for m in await mem.get_messages("s1")]
+    assert texts == ["after narwhal", "ok"]  # the session started anew after the delete
+    assert fts_hits(db, "zebra") == 0 and fts_hits(db, "walrus") == 0
+    assert fts_hits(db, "narwhal") == 1
+    row = session_row(db, "s1")
+    assert row is not None and row["message_count"] == 2
+    assert rows(db, "SELECT count(*) FROM recall_results WHERE session_id = 's1' "
+                    "AND block LIKE '%zebra%'") == [(0,)]
+    assert "zebra" not in mem.prefetch("", session_id="s1", user_id="ann")
+    assert "walrus" not in await mem.search("walrus zebra", user_id="ann")
+
+
+async def test_a_deleted_session_stays_deleted_across_a_restart(settings: Settings) -> None:
+    async with MemoryPipeline(settings) as mem:
+        mem.sync_turn("one", "two", session_id="gone", user_id="ann")
+        mem.sync_turn("keep me", "yes", session_id="kept", user_id="ann")
+        SessionWrites(mem).delete_nowait("gone")
+        await mem.flush()
+    async with MemoryPipeline(settings) as mem:
+        await mem.flush()
+        assert await mem.get_messages("gone") == []
+        assert [m["content"] for m in await mem.get_messages("kept")] == ["keep me", "yes"]
+    assert session_row(settings.db_path, "gone") is None
+
+
+async def test_prune_removes_only_ended_sessions_idle_past_the_cutoff(
+        mem: MemoryPipeline) -> None:
+    db = mem.settings.db_path
+    writes = SessionWrites(mem)
+    for sid, source in (("old-a", "cli"), ("old-b", "cli"), ("busy", "cli"), ("tg", "telegram"),
+                        ("open", "cli")):
+        mem.sync_turn(f"text of {sid}", "reply", session_id=sid, user_id="ann",
+                      metadata={"source": source})
+    for sid in ("old-a", "old-b", "busy", "tg"):
+        writes.end_nowait(sid, "done")
+    await mem.flush()
+    # A turn of an ended session, accepted before the prune and not committed yet.
+    mem.sync_turn("late words", "reply", session_id="busy", user_id="ann")
+    result = await writes.prune(0, source="cli")
+    assert set(result.candidates) >= {"old-a", "old-b"}
+    assert "open" not in result.candidates and "tg" not in result.candidates
+    assert sorted(result.deleted) == ["old-a", "old-b"]
+    left = {r[0] for r in rows(db, "SELECT id FROM sessions")}
+    assert left == {"busy", "tg", "open"}
+    assert rows(db, "SELECT count(*) FROM messages WHERE session_id IN ('old-a', 'old-b')") == [
+        (0,)]
+    assert fts_hits(db, "late") == 1
+    # Without a source, the telegram session goes too; the busy one is recent now.
+    result = await writes.prune(1)
+    assert result.deleted == ()
+    result = await writes.prune(0)
+    assert set(result.deleted) == {"tg", "busy"}
+    assert {r[0] for r in rows(db, "SELECT id FROM sessions")} == {"open"}
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda w: w.end_nowait("s", ""), "reason"),
+    (lambda w: w.end_nowait("s", 5), "reason"),
+    (lambda w: w.end_nowait("", "x"), "session_id"),
+    (lambda w: w.end_nowait("s\x00", "x"), "NUL"),
+    (lambda w: w.describe_nowait("s"), "at least one field"),
+    (lambda w: w.describe_nowait("s", model_config=[1]), "model_config"),
+    (lambda w: w.describe_nowait("s", model_config={"x": float("nan")}), "model_config"),
+    (lambda w: w.describe_nowait("s", model_config={"x": object()}), "model_config"),
+    (lambda w: w.describe_nowait("s", system_prompt=b"x"), "system_prompt"),
+    (lambda w: w.describe_nowait("s", parent_session_id="s"), "parent_session_id"),
+    (lambda w: w.describe_nowait("s", source=""), "source"),
+    (lambda w: w.delete_nowait(None), "session_id"),
+])
+async def test_bad_lifecycle_input_is_refused_before_it_is_accepted(
+        mem: MemoryPipeline, call: object, message: str) -> None:
+    before = mem.stats().accepted_turns if hasattr(mem.stats(), "accepted_turns") else None
+    with pytest.raises(InvalidSessionError, match=message):
+        call(SessionWrites(mem))  # type: ignore[operator]
+    if before is not None:
+        assert mem.stats().accepted_turns == before
+
+
+async def test_prune_refuses_a_bad_age(mem: MemoryPipeline) -> None:
+    for bad in (-1, float("nan"), "3", True):
+        with pytest.raises(InvalidSessionError, match="older_than_days"):
+            await SessionWrites(mem).prune(bad)  # type: ignore[arg-type]
