@@ -24,7 +24,10 @@ from typing import Any, NamedTuple
 OP_KV = "kv"
 OP_SESSION = "session"
 OP_KINDS = frozenset({OP_KV, OP_SESSION})
-SESSION_ACTIONS = frozenset({"describe", "end", "delete"})
+SESSION_ACTIONS = frozenset({"describe", "end", "delete", "import"})
+# An imported message: id, turn key, ordinal, role, content, tool calls (JSON text), tool call
+# id, tool name, timestamp, user id, metadata (JSON text); as exported, ids kept.
+IMPORTED_MESSAGE_FIELDS = 11
 # What a ``describe`` may set on a session, and the type each holds.
 SESSION_FIELDS: dict[str, type] = {
     "source": str, "model": str, "model_config": dict, "system_prompt": str,
@@ -63,6 +66,9 @@ class SessionOp(NamedTuple):
     reason: str | None  # end: why the session ended
     ended_before: float | None  # delete: only if the session ended and was idle before this
     source: str | None  # delete: only if the session has this source
+    row: dict[str, Any] | None = None  # import: the session's exported row (first part only)
+    messages: list[list[Any]] | None = None  # import: a part of its messages, in id order
+    started_at: float | None = None  # import: the exported session's start (its identity)
 
 
 def lane_of(user_id: str) -> str:
@@ -89,7 +95,9 @@ def encode_delete(record_key: str, user_id: str, accepted_at: float, key: str) -
 def encode_session_op(record_key: str, session_id: str, user_id: str | None,
                       accepted_at: float, action: str, *, fields: Mapping[str, Any] | None = None,
                       reason: str | None = None, ended_before: float | None = None,
-                      source: str | None = None) -> str:
+                      source: str | None = None, row: Mapping[str, Any] | None = None,
+                      messages: list[list[Any]] | None = None,
+                      started_at: float | None = None) -> str:
     """A lifecycle event's record (compact ASCII JSON, ' as \\u0027). Checked by the caller."""
     doc: dict[str, Any] = {"x": OP_SESSION, "k": record_key, "s": session_id, "u": user_id,
                            "t": accepted_at, "o": action}
@@ -101,6 +109,9 @@ def encode_session_op(record_key: str, session_id: str, user_id: str | None,
         doc["b"] = ended_before
     if source is not None:
         doc["src"] = source
+    if action == "import":
+        doc.update({"row": None if row is None else dict(row), "m": messages or [],
+                    "st": started_at})
     payload = _ENCODER.encode(doc)
     return payload.replace("'", "\\u0027") if "'" in payload else payload
 
@@ -138,8 +149,21 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
         raise TypeError("the source is not a string")
     if "\\u0000" in payload:
         raise ValueError("the event holds U+0000")
+    row = messages = started = None
+    if action == "import":
+        row, messages, started = doc["row"], doc["m"], doc["st"]
+        if row is not None and type(row) is not dict:
+            raise TypeError("the imported session's row is not an object")
+        if not isinstance(started, (int, float)) or isinstance(started, bool):
+            raise TypeError("the imported session's start is not a number")
+        if type(messages) is not list or not all(
+                type(m) is list and len(m) == IMPORTED_MESSAGE_FIELDS
+                and type(m[0]) is int and type(m[1]) is str for m in messages):
+            raise TypeError("the imported messages are mistyped")
+        started = float(started)
     return SessionOp(record_key, session_id, user_id, float(at), action, fields, reason,
-                     None if before is None else float(before), source)
+                     None if before is None else float(before), source, row, messages,
+                     started)
 
 
 def parse_kv(doc: Mapping[str, Any], payload: str) -> KvOp:

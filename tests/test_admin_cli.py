@@ -574,3 +574,24 @@ async def test_sessions_end_delete_and_prune_from_the_cli(filled: Settings,
     assert sorted(s["id"] for s in listed.json()) == ["a2", "n1"]
     bad = await run_cli("sessions", "prune", "--older-than", "-3", "--db", db)
     assert bad.code != 0 and "older_than_days" in one_error_line(bad.err)
+
+
+async def test_sessions_export_delete_import_round_trip_from_the_cli(
+        filled: Settings, run_cli: Any, tmp_path: Path) -> None:
+    db = str(filled.db_path)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    assert (await run_cli("sessions", "export", "-o", str(first), "--db", db)).code == 0
+    for sid in ("a1", "a2", "b1", "n1"):
+        assert (await run_cli("sessions", "delete", sid, "--db", db)).code == 0
+    assert (await run_cli("sessions", "list", "--db", db, "--json")).json() == []
+    imported = await run_cli("sessions", "import", str(first), "--db", db, "--json")
+    assert imported.code == 0
+    assert imported.json() == {"imported": 4, "skipped": 0,
+                               "messages": sum(len(json.loads(line)["messages"])
+                                               for line in first.read_text().splitlines())}
+    assert (await run_cli("sessions", "export", "-o", str(second), "--db", db)).code == 0
+    assert second.read_bytes() == first.read_bytes()
+    again = await run_cli("sessions", "import", str(first), "--db", db)
+    assert again.out.strip() == "imported 0 sessions (0 messages); 4 already there, skipped"
+    missing = await run_cli("sessions", "import", str(tmp_path / "nope.jsonl"), "--db", db)
+    assert missing.code != 0 and "no file" in one_error_line(missing.err)

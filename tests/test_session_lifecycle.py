@@ -5,6 +5,7 @@ sessions with pending turns."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -12,6 +13,12 @@ import pytest
 
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.sessions.lifecycle import InvalidSessionError, SessionWrites
+from hermes_async_memory.sessions.transfer import (
+    ImportResult,
+    InvalidImportError,
+    export_sessions,
+    import_sessions,
+)
 
 
 def rows(db: Path, sql: str, *params: object) -> list[tuple[object, ...]]:
@@ -158,3 +165,100 @@ async def test_prune_refuses_a_bad_age(mem: MemoryPipeline) -> None:
     for bad in (-1, float("nan"), "3", True):
         with pytest.raises(InvalidSessionError, match="older_than_days"):
             await SessionWrites(mem).prune(bad)  # type: ignore[arg-type]
+
+
+# -- export and import -----------------------------------------------------------------------
+
+TOOL_TURN = [
+    {"role": "user", "content": "What time is it in Lisbon? ' quoted"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "clock", "arguments": "{\"city\": \"Lisbon\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "name": "clock", "content": "14:05"},
+    {"role": "assistant", "content": "It is 14:05 in Lisbon. ünïcödé"},
+]
+
+
+async def exported(mem: MemoryPipeline, **kw: str) -> list[str]:
+    return [line async for line in export_sessions(mem, **kw)]
+
+
+async def filled_sessions(mem: MemoryPipeline) -> None:
+    writes = SessionWrites(mem)
+    for i in range(3):
+        mem.sync_turn(f"question {i} about trams", f"answer {i}", session_id="a1",
+                      user_id="ann", metadata={"model": "m-1", "input_tokens": 10 + i})
+    mem.sync_turn("", "", session_id="a2", user_id="ann", messages=TOOL_TURN,
+                  metadata={"source": "telegram", "parent_session_id": "a1"})
+    mem.sync_turn("bob's words", "ok", session_id="b1", user_id="bob")
+    writes.describe_nowait("a1", model_config={"temperature": 0.5}, system_prompt="Be brief.")
+    writes.end_nowait("a1", "compression")
+    await mem.flush()
+
+
+async def test_export_delete_import_gives_back_the_same_bytes(mem: MemoryPipeline) -> None:
+    await filled_sessions(mem)
+    before = await exported(mem)
+    assert [json.loads(line)["id"] for line in before] == ["a1", "a2", "b1"]
+    writes = SessionWrites(mem)
+    for sid in ("a1", "a2", "b1"):
+        writes.delete_nowait(sid)
+    await mem.flush()
+    assert await exported(mem) == []
+    assert (await mem.search("trams", user_id="ann")) == ""
+    result = await import_sessions(mem, before)
+    assert result == ImportResult(imported=3, skipped=0, messages=12)
+    assert await exported(mem) == before  # byte for byte: ids, rows, messages
+    # Imported messages are searchable again, in their user's scope only.
+    assert "question 1 about trams" in await mem.search("trams", user_id="ann")
+    assert await mem.search("trams", user_id="bob") == ""
+    # A second import of the same lines changes nothing.
+    again = await import_sessions(mem, before)
+    assert again == ImportResult(imported=0, skipped=3, messages=0)
+    assert await exported(mem) == before
+    db = mem.settings.db_path
+    assert fts_hits(db, "trams") == 3  # indexed once
+
+
+async def test_import_into_a_store_whose_ids_are_taken_keeps_every_message(
+        tmp_path: Path) -> None:
+    async with MemoryPipeline(Settings(db_path=tmp_path / "a.db")) as mem:
+        await filled_sessions(mem)
+        lines = await exported(mem)
+    async with MemoryPipeline(Settings(db_path=tmp_path / "b.db")) as other:
+        for i in range(6):  # takes message ids 1..12
+            other.sync_turn(f"other {i}", "x", session_id="z9", user_id="zed")
+        await other.flush()
+        result = await import_sessions(other, lines)
+        assert result.imported == 3
+        got = {json.loads(line)["id"]: json.loads(line) for line in await exported(other)}
+        want = {json.loads(line)["id"]: json.loads(line) for line in lines}
+        for sid, session in want.items():
+            mine = got[sid]
+            strip = [{k: v for k, v in m.items() if k != "id"} for m in session["messages"]]
+            assert [{k: v for k, v in m.items() if k != "id"}
+                    for m in mine["messages"]] == strip  # same messages, in order
+            assert {k: v for k, v in mine.items() if k != "messages"} == {
+                k: v for k, v in session.items() if k != "messages"}
+        assert [m["content"] for m in got["z9"]["messages"]][:2] == ["other 0", "x"]
+        assert fts_hits(other.settings.db_path, "trams") == 3
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("not json", "line 1: not JSON"),
+    ("[1]", "not a JSON object"),
+    ('{"id": "", "started_at": 1, "messages": []}', "id must be"),
+    ('{"id": "s", "started_at": "x", "messages": []}', "started_at"),
+    ('{"id": "s", "started_at": 1, "messages": {}}', "messages must be a list"),
+    ('{"id": "s", "started_at": 1, "messages": [{"id": 0, "turn_key": "k", "role": "user",'
+     ' "timestamp": 1}]}', "id must be a positive integer"),
+    ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
+     ' "timestamp": 1, "content": 5}]}', "content must be"),
+    ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
+     ' "timestamp": 1, "content": "a\\u0000b"}]}', "U\\+0000"),
+])
+async def test_a_bad_import_line_is_refused_with_its_line_number(
+        mem: MemoryPipeline, line: str, message: str) -> None:
+    with pytest.raises(InvalidImportError, match=message):
+        await import_sessions(mem, [line])
+    assert await exported(mem) == []

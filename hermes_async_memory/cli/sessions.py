@@ -4,6 +4,7 @@ sessions, their messages, and their lifecycle.
     hermes-memory sessions list [--user U] [--limit N] [--json]
     hermes-memory sessions show ID [--json]
     hermes-memory sessions export [--output FILE|-] [--user U] [--session S]
+    hermes-memory sessions import FILE|- [--json]
     hermes-memory sessions end ID [--reason R] [--json]
     hermes-memory sessions delete ID [--json]
     hermes-memory sessions prune --older-than DAYS [--source S] [--json]
@@ -29,6 +30,7 @@ import anyio
 from ..errors import ConfigurationError
 from ..extras import require
 from ..outbox.log import OutboxBusyError
+from ..sessions.transfer import export_line
 from ..settings import Settings
 from . import PROG
 from .common import (
@@ -82,6 +84,14 @@ def register(commands: Any) -> None:
     export.add_argument("--user", metavar="U", help="only this user's sessions")
     export.add_argument("--session", metavar="S", help="only this session")
     export.set_defaults(handler=guarded(_sessions_export))
+    imports = sessions.add_parser(
+        "import", parents=[db, as_json], help="import exported sessions",
+        description="Import the JSON lines of an export: each session as it was, ids kept. "
+                    "A session already in the store is skipped, so a second import of a "
+                    "file changes nothing.",
+    )
+    imports.add_argument("input", metavar="FILE", help="the export to read (- for stdin)")
+    imports.set_defaults(handler=guarded(_sessions_import))
     end = sessions.add_parser(
         "end", parents=[db, as_json], help="mark a session ended",
         description="Mark a session ended now, with a reason.",
@@ -168,10 +178,44 @@ def _sessions_export(args: argparse.Namespace) -> int:
             for session, messages in reader.iter_sessions(user=args.user,
                                                           session=args.session):
                 n_messages += len(messages)
-                write(json.dumps({**session, "messages": messages}, ensure_ascii=False) + "\n")
+                write(export_line(session, messages))
                 advance()
     if not to_stdout:
         print(f"exported {total} sessions ({n_messages} messages) to {args.output}")
+    return EXIT_OK
+
+
+def _sessions_import(args: argparse.Namespace) -> int:
+    from ..sessions.transfer import import_sessions
+
+    path = None if args.input == "-" else Path(args.input)
+    if path is not None and not path.is_file():
+        raise store_error(f"no file {args.input}")
+    total = sum(1 for _ in path.open("rb")) if path is not None else 0
+    show_progress = path is not None and sys.stderr.isatty()
+
+    async def run() -> dict[str, Any]:
+        stream = path.open(encoding="utf-8") if path is not None else sys.stdin
+        try:
+            with _progress(total, show_progress, "importing sessions") as advance:
+                def lines() -> Iterator[str]:
+                    for line in stream:
+                        yield line
+                        advance()
+
+                async with _writing(settings_of(args)) as mem:
+                    result = await import_sessions(mem, lines())
+        finally:
+            if path is not None:
+                stream.close()
+        return result.as_dict()
+
+    done = anyio.run(run)
+    if args.json:
+        print_json(done)
+    else:
+        print(f"imported {done['imported']} sessions ({done['messages']} messages); "
+              f"{done['skipped']} already there, skipped")
     return EXIT_OK
 
 
@@ -272,20 +316,21 @@ def _text_writer(stream: IO[str]) -> Callable[[str], None]:
 
 
 @contextmanager
-def _progress(total: int, show: bool) -> Iterator[Callable[[], None]]:
+def _progress(total: int, show: bool, label: str = "exporting sessions"
+              ) -> Iterator[Callable[[], None]]:
     """An ``advance()`` that moves a progress bar on stderr, or does nothing."""
     if not show:
         yield lambda: None
         return
     try:
-        console = require("rich.console", "cli", "the export progress bar")
-        bar = require("rich.progress", "cli", "the export progress bar")
+        console = require("rich.console", "cli", "the progress bar")
+        bar = require("rich.progress", "cli", "the progress bar")
     except ConfigurationError as exc:  # the export itself needs no extra: go on without
         print(f"{PROG}: {exc}", file=sys.stderr)
         yield lambda: None
         return
     with bar.Progress(
-        bar.TextColumn("exporting sessions"), bar.BarColumn(), bar.MofNCompleteColumn(),
+        bar.TextColumn(label), bar.BarColumn(), bar.MofNCompleteColumn(),
         bar.TimeRemainingColumn(), console=console.Console(file=sys.stderr), transient=True,
     ) as progress:
         task = progress.add_task("export", total=total)

@@ -19,15 +19,20 @@ after the messages of every turn that came before, and before any that came afte
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from ..ops import SessionOp, parse_session
-from ..turns import Turn
+from ..turns import Turn, scope_tokens
 from .connections import Connections
 from .sql import KEY_CHUNK, sql_literal
 
 _JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
+# A message as exported (the columns of seed 001's get_messages, plus its turn).
+EXPORT_MESSAGE_COLUMNS = ("id, session_id, turn_key, role, content, tool_calls, tool_call_id, "
+                          "tool_name, timestamp, user_id, metadata")
 
 DESCRIBE = """
 INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
@@ -68,6 +73,55 @@ DELETE FROM sessions WHERE id = {id} AND {condition};
 """
 
 
+# An imported session: its exported row goes in as it was, if the session is not there; each
+# part of its messages goes in if the session is the exported one (same start) and the part's
+# first turn is not there yet (so a second import of the file changes nothing). The messages
+# keep their exported ids when those are free; when another session's messages hold them,
+# they take new ids, in order.
+IMPORT_ROW = """
+INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
+                      ended_at, end_reason, message_count, tool_call_count, input_tokens,
+                      output_tokens, model_config, system_prompt, tokens_estimated)
+SELECT {id}, coalesce(r ->> 'source', {default_source}), r ->> 'user_id', r ->> 'model',
+       r ->> 'parent_session_id', r ->> 'started_at', coalesce(r ->> 'updated_at', {at}),
+       r ->> 'ended_at', r ->> 'end_reason', coalesce(r ->> 'message_count', 0),
+       coalesce(r ->> 'tool_call_count', 0), coalesce(r ->> 'input_tokens', 0),
+       coalesce(r ->> 'output_tokens', 0), r ->> 'model_config', r ->> 'system_prompt',
+       coalesce(r ->> 'tokens_estimated', 0)
+FROM (SELECT json({row}) AS r) WHERE true
+ON CONFLICT (id) DO NOTHING;
+"""
+IMPORT_NEW = """
+EXISTS (SELECT 1 FROM sessions WHERE id = {id} AND started_at = {started})
+AND NOT EXISTS (SELECT 1 FROM messages WHERE session_id = {id} AND turn_key = {first_turn})
+"""
+IMPORT_IDS_FREE = """NOT EXISTS (SELECT 1 FROM messages WHERE id IN (
+    SELECT f.value ->> 0 FROM json_each({rows}) AS f))"""
+_IMPORT_COLUMNS = """{id}, e.value ->> 1, e.value ->> 2, e.value ->> 3, e.value ->> 4,
+       e.value ->> 5, e.value ->> 6, e.value ->> 7, e.value ->> 8, e.value ->> 9, {scope},
+       e.value ->> 10
+FROM json_each({rows}) AS e"""
+IMPORT_MESSAGES = """
+INSERT INTO messages_fts (rowid, content, scope)
+SELECT e.value ->> 0, e.value ->> 4, {scope} FROM json_each({rows}) AS e
+WHERE ({new}) AND {free};
+INSERT INTO messages (id, session_id, turn_key, ordinal, role, content, tool_calls,
+                      tool_call_id, tool_name, timestamp, user_id, scope, metadata)
+SELECT e.value ->> 0, """ + _IMPORT_COLUMNS + """
+WHERE ({new}) AND {free} ORDER BY e.key;
+INSERT INTO temp.import_fresh (n) SELECT {n} WHERE ({new});
+INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
+                      tool_name, timestamp, user_id, scope, metadata)
+SELECT """ + _IMPORT_COLUMNS + """
+WHERE EXISTS (SELECT 1 FROM temp.import_fresh) ORDER BY e.key;
+INSERT INTO messages_fts (rowid, content, scope)
+SELECT id, content, scope FROM messages
+WHERE EXISTS (SELECT 1 FROM temp.import_fresh)
+  AND id > (SELECT max(id) FROM messages) - {n};
+DELETE FROM temp.import_fresh;
+"""
+
+
 def session_statements(ops: Sequence[Turn], default_source: str) -> list[str]:
     """The statements that apply lifecycle events ``ops``, in order, for a batch's
     transaction (their outbox keys are marked done with the batch's other operations)."""
@@ -90,6 +144,8 @@ def _statement(op: SessionOp, default_source: str) -> str:
             model_config="NULL" if config is None else sql_literal(_JSON.encode(config)),
             system_prompt=_text(f.get("system_prompt")),
             estimated=int(bool(f.get("tokens_estimated"))))
+    if op.action == "import":
+        return _import(op, default_source)
     if op.action == "end":
         return END.format(id=sid, at=at, default_source=sql_literal(default_source),
                           user=_text(op.user_id), reason=_text(op.reason))
@@ -100,6 +156,23 @@ def _statement(op: SessionOp, default_source: str) -> str:
             id=sid, before=repr(op.ended_before), key=sql_literal(op.record_key),
             source_clause="" if op.source is None else f"AND p.source = {sql_literal(op.source)}")
     return DELETE.format(id=sid, condition=condition)
+
+
+def _import(op: SessionOp, default_source: str) -> str:
+    sid, messages = sql_literal(op.session_id), op.messages or []
+    script = ""
+    if op.row is not None:
+        script += IMPORT_ROW.format(id=sid, row=sql_literal(_JSON.encode(op.row)),
+                                    default_source=sql_literal(default_source),
+                                    at=repr(op.accepted_at))
+    if messages:
+        new = IMPORT_NEW.format(id=sid, started=repr(op.started_at),
+                                first_turn=sql_literal(str(messages[0][1])))
+        rows = sql_literal(_JSON.encode(messages))
+        script += IMPORT_MESSAGES.format(
+            rows=rows, new=new, free=IMPORT_IDS_FREE.format(rows=rows), n=len(messages),
+            scope=sql_literal(scope_tokens(op.user_id, op.session_id)), id=sid)
+    return script
 
 
 def _text(value: object) -> str:
@@ -135,3 +208,43 @@ class Lifecycle(Connections):
                         chunk) as cur:
                     found.update(str(r[0]) for r in await cur.fetchall())
         return found
+
+    async def export_sessions(self, *, user_id: str | None = None,
+                              session_id: str | None = None
+                              ) -> AsyncIterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """Every session (of ``user_id``; or just ``session_id``), oldest first, with its
+        messages (tool calls and metadata decoded), from one read transaction: a consistent
+        snapshot however long the caller takes."""
+        clauses, params = [], []
+        if user_id is not None:
+            clauses.append("user_id = ?")
+            params.append(user_id)
+        if session_id is not None:
+            clauses.append("id = ?")
+            params.append(session_id)
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        async with self.reader() as db:
+            await db.execute("BEGIN")
+            try:
+                async with db.execute(f"SELECT * FROM sessions {where} ORDER BY started_at, id",
+                                      params) as cur:
+                    names = [d[0] for d in cur.description]
+                    rows = [dict(zip(names, r, strict=True)) for r in await cur.fetchall()]
+                for session in rows:
+                    async with db.execute(
+                            f"SELECT {EXPORT_MESSAGE_COLUMNS} FROM messages WHERE session_id = ? "
+                            "ORDER BY id", (session["id"],)) as cur:
+                        names = [d[0] for d in cur.description]
+                        messages = [_decoded(dict(zip(names, r, strict=True)))
+                                    for r in await cur.fetchall()]
+                    yield session, messages
+            finally:
+                await db.execute("COMMIT")
+
+
+def _decoded(message: dict[str, Any]) -> dict[str, Any]:
+    for name in ("tool_calls", "metadata"):
+        if message[name]:
+            with contextlib.suppress(ValueError):  # not JSON: exported as stored
+                message[name] = json.loads(message[name])
+    return message

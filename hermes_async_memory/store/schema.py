@@ -171,9 +171,11 @@ _ADDED_COLUMNS = (
     ("sessions", "system_prompt", "TEXT"),
     ("sessions", "tokens_estimated", "INTEGER NOT NULL DEFAULT 0"),
 )
-# Set on the writer connection: a batch of inbox turns commits only while its lease holds.
+# Set on the writer connection: a batch of inbox turns commits only while its lease holds;
+# an imported part whose message ids are taken is inserted under new ids (lifecycle).
 LEASE_GUARD = """
 CREATE TEMP TABLE IF NOT EXISTS lease_guard (held INTEGER NOT NULL CHECK (held));
+CREATE TEMP TABLE IF NOT EXISTS import_fresh (n INTEGER NOT NULL);
 """
 
 
