@@ -45,7 +45,7 @@ from .metrics import PipelineObserver
 from .parts import Parts, build_parts, collect_stats
 from .recall.cache import PrefetchStatus, RecallCache
 from .retry import Backoff
-from .sessions.lifecycle import SessionWrites
+from .sessions.api import SessionStore
 from .settings import Settings
 from .stats import Meter, PipelineStats
 from .store import SqliteStore
@@ -101,8 +101,8 @@ class MemoryPipeline:
         self.cache.on_change = self.changed
         # Key-value memory per user, through the same outbox as turns (see ``memory``).
         self.memory = memory_for(self)
-        # The session store's lifecycle writes, through the same outbox (see ``sessions``).
-        self.sessions = SessionWrites(self)
+        # The session store: its reads, and its lifecycle writes through the same outbox.
+        self.sessions = SessionStore(self)
         self._parts: Parts | None = None
         self._state = NEW
         self._failure: PipelineFailedError | None = None

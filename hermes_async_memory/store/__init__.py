@@ -22,11 +22,12 @@ from .messages import Hit, Messages
 from .recalls import Recalls
 from .replica import ReplicaOutbox, ReplicaRow
 from .schema import SCHEMA, SCHEMA_VERSION
+from .sessions import SessionQueries
 from .sql import sql_literal
 
 
 class SqliteStore(Messages, Memories, Lifecycle, DoneKeys, Inbox, Recalls, ReplicaOutbox,
-                  DeadLetters):
+                  DeadLetters, SessionQueries):
     """The system of record. ``open()`` before use, ``aclose()`` after.
 
     One class over the parts, each a table's reads and writes on the connections they

@@ -1,0 +1,26 @@
+"""The session store (seed 001's ``SessionDB``) over the pipeline's store, as
+``pipeline.sessions`` (``api.SessionStore``): ``search`` (user text into a safe, scoped FTS5
+query), ``reads`` (search, listings, one session, its conversation, its parent chain,
+counts), ``lifecycle`` (describe, end, delete, prune, through the outbox) and ``transfer``
+(export as JSON lines, import back)."""
+
+from __future__ import annotations
+
+from .api import SessionStore
+from .lifecycle import InvalidSessionError, PruneResult, SessionWrites
+from .reads import (
+    BlockingSessionReads,
+    ContextMessage,
+    SearchHit,
+    SessionChain,
+    SessionCounts,
+    SessionInfo,
+    SessionReads,
+)
+from .search import SYNTAXES, InvalidSearchError
+from .transfer import ImportResult, InvalidImportError
+
+__all__ = ["SYNTAXES", "BlockingSessionReads", "ContextMessage", "ImportResult",
+           "InvalidImportError", "InvalidSearchError", "InvalidSessionError", "PruneResult",
+           "SearchHit", "SessionChain", "SessionCounts", "SessionInfo", "SessionReads",
+           "SessionStore", "SessionWrites"]
