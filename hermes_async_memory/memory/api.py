@@ -13,14 +13,12 @@ the shared inbox and no worker committed yet: every read sees every acknowledged
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import PipelineClosedError
+from ..blocking import run_blocking
 from ..ops import KvOp, encode_delete, encode_put, lane_of, parse_record
 from ..recall.query import query_terms, quote
 from ..store import EntryRow
@@ -261,22 +259,7 @@ class BlockingKeyValueMemory:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Raises TimeoutError past ``timeout_s`` (the read is cancelled)."""
-        pipeline = self._m.pipeline
-        loop = pipeline.loop
-        if loop is None or loop.is_closed():
-            coro.close()
-            raise PipelineClosedError("the pipeline is not open")
-        if threading.get_ident() == pipeline.loop_thread:
-            coro.close()
-            raise RuntimeError("a blocking read on the pipeline's own loop would deadlock; "
-                               "await the KeyValueMemory method instead")
-        future = asyncio.run_coroutine_threadsafe(coro, loop)
-        try:
-            return future.result(self._timeout_s)
-        except TimeoutError:
-            future.cancel()
-            raise
-
+        return run_blocking(self._m.pipeline, coro, self._timeout_s)
 
 def _entry(row: EntryRow | None) -> MemoryEntry | None:
     if row is None:

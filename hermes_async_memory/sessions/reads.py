@@ -10,15 +10,13 @@ other thread.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 import sqlite3
-import threading
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ..blocking import run_blocking
 from ..errors import InvalidTurnError, PipelineClosedError, StoreError
 from ..turns import check_id, scope_token_for
 from .search import InvalidSearchError, content_expression, is_fts5_syntax_error, scoped_match
@@ -383,31 +381,6 @@ class BlockingSessionReads:
         return run_blocking(self._r.pipeline, coro, self._timeout_s)
 
 
-def run_blocking(pipeline: MemoryPipeline, coro: Coroutine[Any, Any, T], timeout_s: float
-                 ) -> T:
-    """Run ``coro`` on the pipeline's loop from another thread and wait for its result.
-
-    Raises:
-        PipelineClosedError: the pipeline has no running loop.
-        RuntimeError: called on the loop's own thread (waiting there would deadlock).
-        TimeoutError: no answer within ``timeout_s``; the coroutine is cancelled.
-    """
-    loop = pipeline.loop
-    if loop is None or loop.is_closed():
-        coro.close()
-        raise PipelineClosedError("the pipeline is not open")
-    if threading.get_ident() == pipeline.loop_thread:
-        coro.close()
-        raise RuntimeError("a blocking read on the pipeline's own loop would deadlock; "
-                           "await the SessionReads method instead")
-    future = asyncio.run_coroutine_threadsafe(coro, loop)
-    try:
-        return future.result(timeout_s)
-    except concurrent.futures.TimeoutError:  # TimeoutError itself from Python 3.11
-        future.cancel()
-        raise TimeoutError(f"no answer from the pipeline within {timeout_s} s") from None
-
-
 def pair_tool_results(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Stored messages (``store.session_messages`` rows) as an OpenAI chat, each tool result
     moved right after the assistant message that called it (see ``conversation``)."""
@@ -521,4 +494,4 @@ def _value(name: str, value: object) -> str:
 
 
 __all__ = ["BlockingSessionReads", "ContextMessage", "SearchHit", "SessionChain",
-           "SessionCounts", "SessionInfo", "SessionReads", "pair_tool_results", "run_blocking"]
+           "SessionCounts", "SessionInfo", "SessionReads", "pair_tool_results"]
