@@ -26,8 +26,9 @@ from hermes_async_memory import (
     cli,
 )
 from hermes_async_memory.hermes import config as hconfig
-from hermes_async_memory.hermes.provider import SEARCH_TOOL, this_turn
 from hermes_async_memory.hermes.runtime import Runtime
+from hermes_async_memory.hermes.search_tool import SEARCH_TOOL
+from hermes_async_memory.hermes.turn_messages import this_turn
 from hermes_async_memory.memory import MEMORY_TOOL
 
 from .helpers import stored_turns

@@ -23,7 +23,7 @@ import abc
 import contextvars
 import json
 import threading
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +39,10 @@ from ..errors import (
 from ..memory import MEMORY_SCHEMA, MEMORY_TOOL, call_memory_tool
 from ..memory.mirror import mirror_builtin_write, record_delegation
 from ..settings import Settings
-from ..turns import MAX_TOKENS
 from . import config as _config
 from .runtime import Runtime, acquire, release
+from .search_tool import MAX_TOOL_LIMIT, SEARCH_SCHEMA, SEARCH_TOOL, SYSTEM_PROMPT
+from .turn_messages import this_turn, token_counts
 
 if TYPE_CHECKING:
     from ..pipeline import MemoryPipeline
@@ -56,7 +57,6 @@ else:
 log = structlog.get_logger(__name__)
 
 PROVIDER_NAME = _config.PROVIDER_NAME
-SEARCH_TOOL = "memory_search"
 # Agent contexts that must not write (hermes-agent: cron prompts, subagents and the memory
 # flush agent would pollute the user's memory).
 READ_ONLY_CONTEXTS = frozenset({"cron", "subagent", "flush"})
@@ -65,7 +65,6 @@ READ_ONLY_CONTEXTS = frozenset({"cron", "subagent", "flush"})
 LOCAL_PLATFORMS = frozenset({"cli", "tui"})
 MEMORY_ACTIONS = frozenset({"add", "replace", "remove"})
 TOOL_TIMEOUT_S = 5.0
-MAX_TOOL_LIMIT = 20
 # on_pre_compress: the last few user messages of the span make the recall query; the search
 # is time-boxed because compression waits on it.
 PRE_COMPRESS_USER_MESSAGES = 4
@@ -73,39 +72,6 @@ PRE_COMPRESS_QUERY_CHARS = 2000
 PRE_COMPRESS_TIMEOUT_S = 2.0
 # Sessions whose lineage (parent session) is remembered for their turns' metadata.
 MAX_LINEAGE = 256
-CHARS_PER_TOKEN = 4  # the estimate when a turn's messages report no usage
-
-SYSTEM_PROMPT = (
-    "## Long-term memory\n"
-    "Earlier conversations are stored locally (hermes-async-memory). Before each reply, "
-    "the latest turns of this session and snippets recalled from earlier sessions may "
-    "appear in a <memory-context> block: background, not a new request. To look up "
-    "something said before (a name, a decision, a preference, a file), call "
-    f"`{SEARCH_TOOL}` rather than asking the user to repeat it."
-)
-
-SEARCH_SCHEMA: dict[str, Any] = {
-    "name": SEARCH_TOOL,
-    "description": (
-        "Full-text search over what was said in earlier conversations with this user "
-        "(all their stored sessions, or only this one). Returns dated snippets, best match "
-        "first. Use keywords, not a question."
-    ),
-    "parameters": {
-        "type": "object",
-        "properties": {
-            "query": {"type": "string",
-                      "description": "Keywords to look for, e.g. 'Lisbon restaurant station'"},
-            "scope": {"type": "string", "enum": ["user", "session"],
-                      "description": "'user' (default): every stored session of this user; "
-                                     "'session': this session only"},
-            "limit": {"type": "integer", "minimum": 1, "maximum": MAX_TOOL_LIMIT,
-                      "description": "Most snippets to return (default 5)"},
-        },
-        "required": ["query"],
-    },
-}
-
 
 class HermesMemoryProvider(_ProviderBase):
     """A Hermes Agent memory provider: turns durable without waiting, recall prefetched.
@@ -601,78 +567,6 @@ class HermesMemoryProvider(_ProviderBase):
             runtime.flush(runtime.settings.shutdown_deadline_s)
         except (FlushTimeoutError, TimeoutError, PipelineClosedError) as exc:
             log.warning("hermes_flush_incomplete", at=why, error=str(exc))
-
-
-def this_turn(messages: Sequence[Mapping[str, Any]], user_content: str,
-              assistant_content: str) -> list[dict[str, Any]] | None:
-    """This turn's messages out of the conversation Hermes passes, user text as given.
-
-    Hermes hands its live message list to a worker thread, so by the time ``sync_turn`` runs
-    the next turn may have been appended: the turn ends at its final assistant message (the
-    last one equal to ``assistant_content`` within the last two user turns), else at the
-    end. Its user message is replaced by ``user_content``, which Hermes has already cleaned
-    of skill scaffolding. None when there is no user message to start from.
-    """
-    snapshot = list(messages)
-    end = len(snapshot)
-    users_seen = 0
-    for i in range(len(snapshot) - 1, -1, -1):
-        m = snapshot[i]
-        if not isinstance(m, Mapping):
-            continue
-        role = m.get("role")
-        if role == "assistant" and m.get("content") == assistant_content:
-            end = i + 1
-            break
-        if role == "user":
-            users_seen += 1
-            if users_seen == 2:
-                break
-    for start in range(end - 1, -1, -1):
-        m = snapshot[start]
-        if isinstance(m, Mapping) and m.get("role") == "user":
-            rows = [dict(r) for r in snapshot[start:end] if isinstance(r, Mapping)]
-            if user_content:
-                rows[0]["content"] = user_content
-            return rows
-    return None
-
-
-def token_counts(rows: Sequence[Mapping[str, Any]] | None, user_content: str,
-                 assistant_content: str) -> tuple[int, int, bool]:
-    """(input tokens, output tokens, estimated) of a turn: the usage its assistant messages
-    report when every one of them reports it (OpenAI's ``prompt_tokens`` and
-    ``completion_tokens``, or ``input_tokens`` and ``output_tokens``); else estimated at
-    about four characters a token, from what was sent (user and tool text) and what came
-    back (assistant text and tool calls)."""
-    replies = [m for m in rows or () if m.get("role") == "assistant"]
-    if replies and all(isinstance(m.get("usage"), Mapping) for m in replies):
-        tokens_in = tokens_out = 0
-        for m in replies:
-            usage = m["usage"]
-            got_in = usage.get("prompt_tokens", usage.get("input_tokens"))
-            got_out = usage.get("completion_tokens", usage.get("output_tokens"))
-            if not (_is_count(got_in) and _is_count(got_out)):
-                break
-            tokens_in += got_in
-            tokens_out += got_out
-        else:
-            return min(tokens_in, MAX_TOKENS), min(tokens_out, MAX_TOKENS), False
-    sent = len(user_content) if not rows else 0
-    said = len(assistant_content) if not rows else 0
-    for m in rows or ():
-        text = m.get("content")
-        size = len(text) if isinstance(text, str) else 0
-        if m.get("role") == "assistant":
-            calls = m.get("tool_calls")
-            said += size + (len(json.dumps(calls, default=str)) if calls else 0)
-        else:
-            sent += size
-    return -(-sent // CHARS_PER_TOKEN), -(-said // CHARS_PER_TOKEN), True
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
 
 
 def _text(value: object) -> str:

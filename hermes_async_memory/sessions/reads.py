@@ -10,7 +10,6 @@ other thread.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -273,7 +272,7 @@ class SessionReads:
         """
         session = _session(session_id)
         self._check_open()
-        row = await _read(self._p.store.session_row(session))
+        row = await _read(self._p.store.get_session(session))
         return None if row is None else SessionInfo.from_row(row)
 
     async def conversation(self, session_id: str) -> list[dict[str, Any]]:
@@ -291,7 +290,7 @@ class SessionReads:
         """
         session = _session(session_id)
         self._check_open()
-        return pair_tool_results(await _read(self._p.store.session_messages(session)))
+        return pair_tool_results(await _read(self._p.store.get_messages(session)))
 
     async def chain(self, session_id: str) -> SessionChain:
         """The session's ancestors (oldest first) and descendants (breadth first); see
@@ -382,7 +381,7 @@ class BlockingSessionReads:
 
 
 def pair_tool_results(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Stored messages (``store.session_messages`` rows) as an OpenAI chat, each tool result
+    """Stored messages (``store.get_messages`` rows) as an OpenAI chat, each tool result
     moved right after the assistant message that called it (see ``conversation``)."""
     messages = [_chat_message(r) for r in rows]
     calls: dict[str, list[int]] = {}  # call id -> indexes of the assistant messages making it
@@ -412,13 +411,9 @@ def pair_tool_results(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
 
 def _chat_message(row: Mapping[str, Any]) -> dict[str, Any]:
     msg: dict[str, Any] = {"role": row["role"], "content": row["content"] or ""}
-    if row["role"] == "assistant" and row["tool_calls"]:
-        try:
-            calls = json.loads(row["tool_calls"])
-        except ValueError:
-            calls = None  # stored by an older writer, not JSON: the text alone is kept
-        if isinstance(calls, list) and calls:
-            msg["tool_calls"] = calls
+    calls = row["tool_calls"]  # decoded; text if an older writer stored it not as JSON
+    if row["role"] == "assistant" and isinstance(calls, list) and calls:
+        msg["tool_calls"] = calls
     if row["role"] == "tool":
         if row["tool_call_id"]:
             msg["tool_call_id"] = row["tool_call_id"]

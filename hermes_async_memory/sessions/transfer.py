@@ -170,8 +170,9 @@ def _parse(line: str, number: int) -> tuple[dict[str, Any], list[list[Any]]]:
                     m.get("tool_call_id"), m.get("tool_name"), float(stamp), m.get("user_id"),
                     None if md is None else json.dumps(md, ensure_ascii=False,
                                                        separators=(",", ":"))])
-    text = json.dumps(out, ensure_ascii=True)
-    if "\\u0000" in text or "\\u0000" in json.dumps(doc.get("system_prompt") or ""):
+    texts = [v for m in out for v in m if isinstance(v, str)]
+    texts += [v for v in doc.values() if isinstance(v, str)]
+    if any("\x00" in t for t in texts):
         raise InvalidImportError(f"line {number}: holds U+0000, which an import cannot carry")
     return doc, out
 

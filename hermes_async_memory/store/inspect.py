@@ -11,7 +11,6 @@ figures takes its own snapshot.
 from __future__ import annotations
 
 import contextlib
-import json
 import sqlite3
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,12 +22,10 @@ from urllib.parse import quote
 from ..errors import StoreError
 from .messages import SEARCH, Hit
 from .schema import SCHEMA_VERSION
-from .sql import KEY_CHUNK
+from .sql import KEY_CHUNK, SESSION_MESSAGES, decode_message
 
 # The tables every store has had; the inbox and replica outbox came later and may be missing.
 REQUIRED_TABLES = ("schema_version", "sessions", "messages", "messages_fts", "outbox")
-_MESSAGE_COLUMNS = ("id, session_id, turn_key, role, content, tool_calls, tool_call_id, "
-                    "tool_name, timestamp, user_id, metadata")
 _SESSION_LIST_COLUMNS = "id, user_id, source, model, message_count, started_at, updated_at"
 
 
@@ -203,14 +200,7 @@ class StoreReader:
     def messages(self, session_id: str) -> list[dict[str, Any]]:
         """A session's messages in order, as ``SqliteStore.get_messages`` returns them
         (``tool_calls`` and ``metadata`` decoded; shown as stored if they are not JSON)."""
-        out = self._rows(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE session_id = ? "
-                         "ORDER BY id", (session_id,))
-        for msg in out:
-            for name in ("tool_calls", "metadata"):
-                if msg[name]:
-                    with contextlib.suppress(ValueError):  # not JSON: shown as stored
-                        msg[name] = json.loads(msg[name])
-        return out
+        return [decode_message(r) for r in self._rows(SESSION_MESSAGES, (session_id,))]
 
     def count_sessions(self, *, user: str | None = None, session: str | None = None) -> int:
         where, params = _session_filter(user, session)

@@ -19,7 +19,6 @@ after the messages of every turn that came before, and before any that came afte
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -27,12 +26,9 @@ from typing import Any
 from ..ops import SessionOp, parse_session
 from ..turns import Turn, scope_tokens
 from .connections import Connections
-from .sql import KEY_CHUNK, sql_literal
+from .sql import KEY_CHUNK, SESSION_MESSAGES, decode_message, fetch_dicts, sql_literal
 
 _JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
-# A message as exported (the columns of seed 001's get_messages, plus its turn).
-EXPORT_MESSAGE_COLUMNS = ("id, session_id, turn_key, role, content, tool_calls, tool_call_id, "
-                          "tool_name, timestamp, user_id, metadata")
 
 DESCRIBE = """
 INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
@@ -226,25 +222,11 @@ class Lifecycle(Connections):
         async with self.reader() as db:
             await db.execute("BEGIN")
             try:
-                async with db.execute(f"SELECT * FROM sessions {where} ORDER BY started_at, id",
-                                      params) as cur:
-                    names = [d[0] for d in cur.description]
-                    rows = [dict(zip(names, r, strict=True)) for r in await cur.fetchall()]
-                for session in rows:
-                    async with db.execute(
-                            f"SELECT {EXPORT_MESSAGE_COLUMNS} FROM messages WHERE session_id = ? "
-                            "ORDER BY id", (session["id"],)) as cur:
-                        names = [d[0] for d in cur.description]
-                        messages = [_decoded(dict(zip(names, r, strict=True)))
-                                    for r in await cur.fetchall()]
-                    yield session, messages
+                sessions = await fetch_dicts(
+                    db, f"SELECT * FROM sessions {where} ORDER BY started_at, id", params)
+                for session in sessions:
+                    rows = await fetch_dicts(db, SESSION_MESSAGES, (session["id"],))
+                    yield session, [decode_message(r) for r in rows]
             finally:
                 await db.execute("COMMIT")
 
-
-def _decoded(message: dict[str, Any]) -> dict[str, Any]:
-    for name in ("tool_calls", "metadata"):
-        if message[name]:
-            with contextlib.suppress(ValueError):  # not JSON: exported as stored
-                message[name] = json.loads(message[name])
-    return message

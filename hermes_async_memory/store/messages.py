@@ -3,19 +3,16 @@ search, a session's messages, its recent turns, its row)."""
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import aiosqlite
-
 from ..errors import LeaseLostError
 from ..turns import Turn
 from .batch import INSERT_MESSAGE_ROW, INSERT_MESSAGES, Batch
 from .connections import Connections, rollback
-from .sql import KEY_CHUNK
+from .sql import KEY_CHUNK, SESSION_MESSAGES, decode_message, fetch_dicts
 
 SEARCH = """
 SELECT m.id, m.session_id, m.role, m.timestamp,
@@ -120,27 +117,11 @@ class Messages(Connections):
         return self.frequent_terms
 
     async def get_messages(self, session_id: str) -> list[dict[str, Any]]:
-        """A session's messages in order, as seed 001's ``get_messages``."""
+        """A session's messages in order, as seed 001's ``get_messages`` (``sql.MESSAGE_COLUMNS``,
+        tool calls and metadata decoded)."""
         async with self.reader() as db:
-            db.row_factory = aiosqlite.Row
-            try:
-                async with db.execute(
-                    "SELECT id, session_id, turn_key, role, content, tool_calls, tool_call_id, "
-                    "tool_name, timestamp, user_id, metadata FROM messages "
-                    "WHERE session_id = ? ORDER BY id",
-                    (session_id,),
-                ) as cur:
-                    rows = await cur.fetchall()
-            finally:
-                db.row_factory = None
-        out = []
-        for r in rows:
-            msg = dict(r)
-            for name in ("tool_calls", "metadata"):
-                if msg[name]:
-                    msg[name] = json.loads(msg[name])
-            out.append(msg)
-        return out
+            rows = await fetch_dicts(db, SESSION_MESSAGES, (session_id,))
+        return [decode_message(r) for r in rows]
 
     async def recent_turns(self, session_id: str, n: int
                            ) -> list[tuple[str, str | None, str, str]]:
@@ -160,13 +141,3 @@ class Messages(Connections):
             elif role == "assistant" and content:
                 turn[3] = content
         return [(t[0], t[1], t[2], t[3]) for t in turns.values()]
-
-    async def get_session(self, session_id: str) -> dict[str, Any] | None:
-        async with self.reader() as db:
-            db.row_factory = aiosqlite.Row
-            try:
-                async with db.execute("SELECT * FROM sessions WHERE id = ?", (session_id,)) as cur:
-                    row = await cur.fetchone()
-            finally:
-                db.row_factory = None
-        return dict(row) if row else None

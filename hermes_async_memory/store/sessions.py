@@ -13,9 +13,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import aiosqlite
-
 from .connections import Connections
+from .sql import fetch_dicts
 
 # Marks around the matched words in a hit's snippet, and what stands for cut text.
 SNIPPET_OPEN = ">>>"
@@ -139,7 +138,7 @@ class SessionQueries(Connections):
             open=SNIPPET_OPEN, close=SNIPPET_CLOSE, ellipsis=SNIPPET_ELLIPSIS,
             chars=CONTEXT_CHARS, filters="".join(f"\n      AND {f}" for f in filters))
         async with self.reader() as db:
-            return await _dicts(db, sql, params)
+            return await fetch_dicts(db, sql, params)
 
     async def list_sessions(self, *, source: str | None = None, user_id: str | None = None,
                             limit: int = 50, offset: int = 0) -> list[dict[str, Any]]:
@@ -147,25 +146,16 @@ class SessionQueries(Connections):
         decoded."""
         where, params = _where(("source", source), ("user_id", user_id))
         async with self.reader() as db:
-            rows = await _dicts(
+            rows = await fetch_dicts(
                 db, f"SELECT * FROM sessions{where} ORDER BY started_at DESC, id "
                 "LIMIT ? OFFSET ?", [*params, limit, offset])
         return [decode_session(r) for r in rows]
 
-    async def session_row(self, session_id: str) -> dict[str, Any] | None:
-        """The session's row, every column, model_config decoded; None when not stored.
-        (``get_session`` gives the row as stored.)"""
+    async def get_session(self, session_id: str) -> dict[str, Any] | None:
+        """The session's row, every column, model_config decoded; None when not stored."""
         async with self.reader() as db:
-            rows = await _dicts(db, "SELECT * FROM sessions WHERE id = ?", [session_id])
+            rows = await fetch_dicts(db, "SELECT * FROM sessions WHERE id = ?", [session_id])
         return decode_session(rows[0]) if rows else None
-
-    async def session_messages(self, session_id: str) -> list[dict[str, Any]]:
-        """The session's messages in order: id, role, content, tool_calls (JSON text, as
-        stored), tool_call_id, tool_name, timestamp."""
-        async with self.reader() as db:
-            return await _dicts(
-                db, "SELECT id, role, content, tool_calls, tool_call_id, tool_name, timestamp "
-                "FROM messages WHERE session_id = ? ORDER BY id", [session_id])
 
     async def parent_chain(self, session_id: str
                            ) -> tuple[list[tuple[str, dict[str, Any] | None]],
@@ -180,8 +170,8 @@ class SessionQueries(Connections):
         Rows are every column, model_config decoded.
         """
         async with self.reader() as db:
-            up = await _dicts(db, _ANCESTORS, {"id": session_id, "max_depth": MAX_ANCESTORS})
-            down = await _dicts(db, _DESCENDANTS, {
+            up = await fetch_dicts(db, _ANCESTORS, {"id": session_id, "max_depth": MAX_ANCESTORS})
+            down = await fetch_dicts(db, _DESCENDANTS, {
                 "id": session_id, "max_depth": MAX_DESCENDANT_DEPTH,
                 "max_rows": MAX_DESCENDANTS + 2})  # the session itself, and one to tell a cut
         ancestors: list[tuple[str, dict[str, Any] | None]] = []
@@ -205,7 +195,7 @@ class SessionQueries(Connections):
         """Sessions stored (from ``source``, of ``user_id``, with id ``session_id``)."""
         where, params = _where(("source", source), ("user_id", user_id), ("id", session_id))
         async with self.reader() as db:
-            rows = await _dicts(db, f"SELECT count(*) AS n FROM sessions{where}", params)
+            rows = await fetch_dicts(db, f"SELECT count(*) AS n FROM sessions{where}", params)
         return int(rows[0]["n"])
 
     async def count_messages(self, session_id: str | None = None, user_id: str | None = None,
@@ -215,7 +205,7 @@ class SessionQueries(Connections):
                                ("s.source", source))
         join = " JOIN sessions AS s ON s.id = m.session_id" if source is not None else ""
         async with self.reader() as db:
-            rows = await _dicts(db, f"SELECT count(*) AS n FROM messages AS m{join}{where}",
+            rows = await fetch_dicts(db, f"SELECT count(*) AS n FROM messages AS m{join}{where}",
                                 params)
         return int(rows[0]["n"])
 
@@ -231,14 +221,6 @@ def decode_session(row: dict[str, Any]) -> dict[str, Any]:
             decoded = None
         row["model_config"] = decoded if isinstance(decoded, dict) else None
     return row
-
-
-async def _dicts(db: aiosqlite.Connection, sql: str,
-                 params: Sequence[Any] | dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows as dicts by column name (the shared connection's row factory stays as is)."""
-    async with db.execute(sql, params) as cur:
-        names = [d[0] for d in cur.description]
-        return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
 
 
 def _marks(values: Sequence[str]) -> str:

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import aiosqlite
+
 # Keys per IN (...) lookup, well under SQLite's bound-parameter limit.
 KEY_CHUNK = 500
 
@@ -12,3 +19,28 @@ def sql_literal(text: str) -> str:
     if "\x00" in text:
         raise ValueError("an SQL literal cannot hold U+0000")
     return "'" + text.replace("'", "''") + "'"
+
+
+async def fetch_dicts(db: aiosqlite.Connection, sql: str,
+                      params: Sequence[Any] | dict[str, Any] = ()) -> list[dict[str, Any]]:
+    """The rows as dicts by column name (the shared connection's row factory stays as is)."""
+    async with db.execute(sql, params) as cur:
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
+
+
+# A message as read back (seed 001's ``get_messages`` columns, plus its turn): for the
+# library's reads, the export and the admin CLI alike.
+MESSAGE_COLUMNS = ("id, session_id, turn_key, role, content, tool_calls, tool_call_id, "
+                   "tool_name, timestamp, user_id, metadata")
+SESSION_MESSAGES = f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = ? ORDER BY id"
+
+
+def decode_message(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` (``MESSAGE_COLUMNS``) with its tool calls and metadata decoded; text that
+    is not JSON (written by an older version) is kept as stored."""
+    for name in ("tool_calls", "metadata"):
+        if message[name]:
+            with contextlib.suppress(ValueError):
+                message[name] = json.loads(message[name])
+    return message
