@@ -7,6 +7,7 @@ import json
 import signal
 import socket
 import textwrap
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
@@ -277,14 +278,28 @@ async def test_other_paths_are_404_and_healthz_is_get_only(served: HttpServer) -
 async def test_requests_are_logged_at_debug_and_never_written_to_stderr(
     served: HttpServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with structlog.testing.capture_logs() as logs:
+    # wsgiref logs a request after its response has gone out, so the client can have its
+    # answer before the line exists (and one request's line can come after the next's):
+    # wait until both lines are there, not for time.
+    logged: list[str] = []
+    both_logged = threading.Event()
+
+    def watch(_: object, __: str, event: structlog.typing.EventDict) -> structlog.typing.EventDict:
+        if event.get("event") == "http_request":
+            logged.append(event["path"])
+            if len(logged) == 2:
+                both_logged.set()
+        return event
+
+    with structlog.testing.capture_logs(processors=[watch]) as logs:
         await get(served.url + "/healthz")
         await get(served.url + "/nope")
+        assert await anyio.to_thread.run_sync(both_logged.wait, HTTP_TIMEOUT_S)
 
     assert capsys.readouterr().err == ""
     requests = [(e["path"], e["status"], e["log_level"]) for e in logs
                 if e["event"] == "http_request"]
-    assert requests == [("/healthz", "200", "debug"), ("/nope", "404", "debug")]
+    assert sorted(requests) == [("/healthz", "200", "debug"), ("/nope", "404", "debug")]
 
 
 async def test_close_releases_the_port_and_is_idempotent(mem: MemoryPipeline) -> None:
