@@ -26,8 +26,8 @@ OP_SESSION = "session"
 OP_KINDS = frozenset({OP_KV, OP_SESSION})
 SESSION_ACTIONS = frozenset({"describe", "end", "delete", "import"})
 # An imported message: id, turn key, ordinal, role, content, tool calls (JSON text), tool call
-# id, tool name, timestamp, user id, metadata (JSON text); as exported, ids kept.
-IMPORTED_MESSAGE_FIELDS = 11
+# id, tool name, timestamp, user id, metadata (JSON text), token count; as exported, ids kept.
+IMPORTED_MESSAGE_FIELDS = 12
 # What a ``describe`` may set on a session, and the type each holds.
 SESSION_FIELDS: dict[str, type] = {
     "source": str, "model": str, "model_config": dict, "system_prompt": str,

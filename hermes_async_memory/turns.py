@@ -12,8 +12,10 @@ from typing import Any, NamedTuple
 from .errors import InvalidTurnError
 from .ops import LANE_MARK, OP_KV, OP_SESSION, KvOp, parse_op
 
-# One stored message: (role, content, tool_calls_json, tool_call_id, tool_name).
-MessageRow = tuple[str, str, "str | None", "str | None", "str | None"]
+# One stored message: (role, content, tool_calls_json, tool_call_id, tool_name), and its
+# token count after those when it reported one (the record leaves it out otherwise).
+MessageRow = (tuple[str, str, "str | None", "str | None", "str | None"]
+              | tuple[str, str, "str | None", "str | None", "str | None", int])
 
 _TEXT_KEPT = 2000  # characters of the user and assistant text kept for the prefetch cache
 # Metadata and tool calls nest at most this deep. Deeper JSON is refused at sync_turn: past a
@@ -118,7 +120,8 @@ class Turn(NamedTuple):
         if not isinstance(at, (int, float)) or type(messages) is not list:
             raise TypeError("the record's time or messages are mistyped")
         for m in messages:
-            if type(m) is not list or len(m) != 5 or type(m[0]) is not str:
+            if (type(m) is not list or type(m[0]) is not str
+                    or (len(m) != 5 and (len(m) != 6 or type(m[5]) is not int))):
                 raise TypeError("a message of the record is mistyped")
         return cls._fields_of(key, session_id, user_id, float(at), messages, doc["d"],
                               payload, segment=segment, nbytes=len(payload), seq=seq)
@@ -217,7 +220,8 @@ def encode_payload(
         accepted_at, _esc(scope_tokens(user_id, session_id)),
         ",".join([
             f"[{_esc(m[0])},{_esc(m[1])},{_NULL if m[2] is None else _esc(m[2])},"
-            f"{_NULL if m[3] is None else _esc(m[3])},{_NULL if m[4] is None else _esc(m[4])}]"
+            f"{_NULL if m[3] is None else _esc(m[3])},{_NULL if m[4] is None else _esc(m[4])}"
+            f"{'' if len(m) == 5 else f',{m[5]:d}'}]"
             for m in messages
         ]),
         _NULL if metadata is None else _ENCODER.encode(metadata),
@@ -245,8 +249,7 @@ def check_metadata(metadata: object) -> dict[str, Any] | None:
         value = md.get(name)
         if value is None:
             continue
-        if (not isinstance(value, int) or isinstance(value, bool)
-                or not 0 <= value <= MAX_TOKENS):
+        if not is_token_count(value):
             raise InvalidTurnError(
                 f"metadata.{name} must be an integer from 0 to {MAX_TOKENS}, got {value!r:.40}")
     check_nesting("metadata", md)
@@ -268,6 +271,11 @@ def check_nesting(name: str, value: object, limit: int = MAX_NESTING) -> None:
             raise InvalidTurnError(f"{name} nests deeper than {limit} levels")
         stack.extend((child, depth + 1) for child in children
                      if isinstance(child, (Mapping, list, tuple)))
+
+
+def is_token_count(value: object) -> bool:
+    """An integer from 0 to ``MAX_TOKENS`` (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS
 
 
 def _str(value: object) -> str | None:
@@ -377,19 +385,32 @@ def _row(i: int, m: Mapping[str, Any]) -> MessageRow:
         raise InvalidTurnError(f"messages[{i}].tool_calls is not JSON-serialisable") from exc
     call_id = m.get("tool_call_id")
     name = m.get("name") or m.get("tool_name")
-    return (
+    row: MessageRow = (
         role,
         content,
         calls_json,
         call_id if isinstance(call_id, str) else None,
         name if isinstance(name, str) else None,
     )
+    tokens = message_tokens(m)
+    return row if tokens is None else (*row, tokens)
+
+
+def message_tokens(m: Mapping[str, Any]) -> int | None:
+    """The token count a message reports: its own ``token_count`` (as Hermes's session store
+    keeps it), else, for a model's reply, the completion tokens of its ``usage``; None when it
+    reports none (a session's counters are estimated then; a message's is left unknown)."""
+    tokens: object = m.get("token_count")
+    usage = m.get("usage")
+    if tokens is None and m.get("role") == "assistant" and isinstance(usage, Mapping):
+        tokens = usage.get("completion_tokens", usage.get("output_tokens"))
+    return tokens if isinstance(tokens, int) and is_token_count(tokens) else None
 
 
 def has_lone_surrogate(rows: Sequence[MessageRow], metadata: Mapping[str, Any] | None) -> bool:
     """Whether some text holds a lone surrogate, which no UTF-8 store can hold."""
     for row in rows:
-        for value in row[1:]:
+        for value in row[1:5]:
             if value and not value.isascii():
                 try:
                     value.encode("utf-8")

@@ -188,6 +188,8 @@ def test_memory_manager_life_cycle_loses_nothing(installed: Path) -> None:
             "tokens_estimated FROM sessions")}
         metadata = json.loads(conn.execute(
             "SELECT metadata FROM messages WHERE session_id = 's1' LIMIT 1").fetchone()[0])
+        message_tokens = [r[0] for r in conn.execute(
+            "SELECT token_count FROM messages WHERE session_id = 's2' ORDER BY id")]
     finally:
         conn.close()
     assert sessions["s1"] == ("cli", "local:coder", "test-model", None)
@@ -203,6 +205,9 @@ def test_memory_manager_life_cycle_loses_nothing(installed: Path) -> None:
     assert ends["s1"][2] == sum(-(-n // 4) for n in sent)
     assert ends["s1"][3] > 0 and ends["s1"][4] == 1
     assert ends["s2"][2:] == (120, 7, 0)
+    # A message keeps the count it reported (the reply's completion tokens); the user
+    # message reported none, and none is made up for it.
+    assert message_tokens == [None, 7]
     assert metadata["agent_identity"] == "coder"
     assert metadata["agent_workspace"] == "hermes"
 

@@ -171,12 +171,13 @@ async def test_prune_refuses_a_bad_age(mem: MemoryPipeline) -> None:
 
 TOOL_TURN = [
     {"role": "user", "content": "What time is it in Lisbon? ' quoted"},
-    {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function",
-         "function": {"name": "clock", "arguments": "{\"city\": \"Lisbon\"}"}}]},
+    {"role": "assistant", "content": "", "usage": {"prompt_tokens": 40, "completion_tokens": 12},
+     "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "clock", "arguments": "{\"city\": \"Lisbon\"}"}}]},
     {"role": "tool", "tool_call_id": "c1", "name": "clock", "content": "14:05"},
-    {"role": "assistant", "content": "It is 14:05 in Lisbon. ünïcödé"},
+    {"role": "assistant", "content": "It is 14:05 in Lisbon. ünïcödé", "token_count": 9},
 ]
+TOOL_TURN_TOKENS = [None, 12, None, 9]  # what each message reported, in order
 
 
 async def exported(mem: MemoryPipeline, **kw: str) -> list[str]:
@@ -200,6 +201,8 @@ async def test_export_delete_import_gives_back_the_same_bytes(mem: MemoryPipelin
     await filled_sessions(mem)
     before = await exported(mem)
     assert [json.loads(line)["id"] for line in before] == ["a1", "a2", "b1"]
+    tokens = [m["token_count"] for m in await mem.sessions.messages("a2")]
+    assert tokens == TOOL_TURN_TOKENS
     writes = SessionWrites(mem)
     for sid in ("a1", "a2", "b1"):
         writes.delete_nowait(sid)
@@ -209,6 +212,7 @@ async def test_export_delete_import_gives_back_the_same_bytes(mem: MemoryPipelin
     result = await import_sessions(mem, before)
     assert result == ImportResult(imported=3, skipped=0, messages=12)
     assert await exported(mem) == before  # byte for byte: ids, rows, messages
+    assert [m["token_count"] for m in await mem.sessions.messages("a2")] == TOOL_TURN_TOKENS
     # Imported messages are searchable again, in their user's scope only.
     assert "question 1 about trams" in await mem.search("trams", user_id="ann")
     assert await mem.search("trams", user_id="bob") == ""
@@ -256,6 +260,8 @@ async def test_import_into_a_store_whose_ids_are_taken_keeps_every_message(
      ' "timestamp": 1, "content": 5}]}', "content must be"),
     ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
      ' "timestamp": 1, "content": "a\\u0000b"}]}', "U\\+0000"),
+    ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
+     ' "timestamp": 1, "token_count": -1}]}', "token_count must be null or an integer"),
 ])
 async def test_a_bad_import_line_is_refused_with_its_line_number(
         mem: MemoryPipeline, line: str, message: str) -> None:

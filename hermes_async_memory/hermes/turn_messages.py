@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..turns import MAX_TOKENS
+from ..turns import MAX_TOKENS, is_token_count
 
 CHARS_PER_TOKEN = 4  # the estimate when a turn's messages report no usage
 
@@ -61,7 +61,7 @@ def token_counts(rows: Sequence[Mapping[str, Any]] | None, user_content: str,
             usage = m["usage"]
             got_in = usage.get("prompt_tokens", usage.get("input_tokens"))
             got_out = usage.get("completion_tokens", usage.get("output_tokens"))
-            if not (_is_count(got_in) and _is_count(got_out)):
+            if not (is_token_count(got_in) and is_token_count(got_out)):
                 break
             tokens_in += got_in
             tokens_out += got_out
@@ -79,6 +79,3 @@ def token_counts(rows: Sequence[Mapping[str, Any]] | None, user_content: str,
             sent += size
     return -(-sent // CHARS_PER_TOKEN), -(-said // CHARS_PER_TOKEN), True
 
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKENS

@@ -275,6 +275,19 @@ class SessionReads:
         row = await _read(self._p.store.get_session(session))
         return None if row is None else SessionInfo.from_row(row)
 
+    async def messages(self, session_id: str) -> list[dict[str, Any]]:
+        """The session's messages as stored, in order ([] when none), as seed 001's
+        ``get_messages``: each a dict of id, session_id, turn_key, role, content, tool_calls
+        and metadata (decoded), tool_call_id, tool_name, timestamp, user_id and token_count
+        (None when the message reported none).
+
+        Raises:
+            InvalidSearchError: an invalid id. PipelineClosedError, StoreError.
+        """
+        session = _session(session_id)
+        self._check_open()
+        return await _read(self._p.store.get_messages(session))
+
     async def conversation(self, session_id: str) -> list[dict[str, Any]]:
         """The session's messages in OpenAI chat format, in order ([] when none): each
         ``{"role", "content"}``, with ``tool_calls`` (decoded) on an assistant message that
@@ -290,7 +303,7 @@ class SessionReads:
         """
         session = _session(session_id)
         self._check_open()
-        return pair_tool_results(await _read(self._p.store.get_messages(session)))
+        return pair_tool_results(await self.messages(session))
 
     async def chain(self, session_id: str) -> SessionChain:
         """The session's ancestors (oldest first) and descendants (breadth first); see
@@ -365,6 +378,9 @@ class BlockingSessionReads:
 
     def get_session(self, session_id: str) -> SessionInfo | None:
         return self._run(self._r.get_session(session_id))
+
+    def messages(self, session_id: str) -> list[dict[str, Any]]:
+        return self._run(self._r.messages(session_id))
 
     def conversation(self, session_id: str) -> list[dict[str, Any]]:
         return self._run(self._r.conversation(session_id))

@@ -1,9 +1,9 @@
 """Export sessions as JSON lines, and import them back through the durable path.
 
 A line is one session: its row, every column as stored, and ``messages``, in order, each
-with its id, turn key, role, content, tool calls, tool-call id, tool name, timestamp, user
-and metadata (tool calls and metadata decoded). ``hermes-memory sessions export`` writes the
-same lines.
+with its id, turn key, role, content, tool calls, tool-call id, tool name, timestamp, user,
+metadata (tool calls and metadata decoded) and token count. ``hermes-memory sessions export``
+writes the same lines.
 
 An import appends one record per session (more for a long one: parts of its messages, each
 within ``max_turn_bytes``) to the session's lane of the outbox. When it commits, the session
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidTurnError
 from ..ops import encode_session_op
-from ..turns import check_id
+from ..turns import MAX_TOKENS, check_id, is_token_count
 from .lifecycle import InvalidSessionError
 
 if TYPE_CHECKING:
@@ -162,6 +162,10 @@ def _parse(line: str, number: int) -> tuple[dict[str, Any], list[list[Any]]]:
         for name in ("content", "tool_call_id", "tool_name", "user_id"):
             if m.get(name) is not None and not isinstance(m.get(name), str):
                 raise InvalidImportError(f"{where}: {name} must be a string or null")
+        tokens = m.get("token_count")
+        if tokens is not None and not is_token_count(tokens):
+            raise InvalidImportError(
+                f"{where}: token_count must be null or an integer from 0 to {MAX_TOKENS}")
         ordinal = ordinals.get(turn, 0)
         ordinals[turn] = ordinal + 1
         calls, md = m.get("tool_calls"), m.get("metadata")
@@ -169,7 +173,7 @@ def _parse(line: str, number: int) -> tuple[dict[str, Any], list[list[Any]]]:
                     None if calls is None else json.dumps(calls, ensure_ascii=False),
                     m.get("tool_call_id"), m.get("tool_name"), float(stamp), m.get("user_id"),
                     None if md is None else json.dumps(md, ensure_ascii=False,
-                                                       separators=(",", ":"))])
+                                                       separators=(",", ":")), tokens])
     texts = [v for m in out for v in m if isinstance(v, str)]
     texts += [v for v in doc.values() if isinstance(v, str)]
     if any("\x00" in t for t in texts):

@@ -53,16 +53,16 @@ WITH t AS MATERIALIZED (
     FROM t
 )
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
-                      tool_name, timestamp, user_id, scope, metadata)
+                      tool_name, timestamp, user_id, scope, metadata, token_count)
 SELECT u.s, u.k, e.key, e.value ->> 0, e.value ->> 1, e.value ->> 2, e.value ->> 3,
-       e.value ->> 4, u.ts, u.u, u.c, u.d
+       e.value ->> 4, u.ts, u.u, u.c, u.d, e.value ->> 5
 FROM u, json_each(u.m) AS e
 ORDER BY u.i, e.key;
 """
 INSERT_MESSAGE_ROW = """
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
-                      tool_name, timestamp, user_id, scope, metadata)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                      tool_name, timestamp, user_id, scope, metadata, token_count)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
 INDEX_BATCH = """
 INSERT INTO messages_fts (rowid, content, scope)
@@ -173,9 +173,9 @@ class Batch:
         for payload in self._payloads:
             doc = json.loads(payload)
             md = json.dumps(doc["d"], ensure_ascii=False) if doc["d"] else None
-            for i, (role, content, calls, call_id, name) in enumerate(doc["m"]):
-                rows.append((doc["s"], doc["k"], i, role, content, calls, call_id, name,
-                             doc["t"], doc["u"], doc["c"], md))
+            for i, m in enumerate(doc["m"]):
+                rows.append((doc["s"], doc["k"], i, *m[:5], doc["t"], doc["u"], doc["c"], md,
+                             m[5] if len(m) > 5 else None))
         return rows
 
     def literal_parts(self) -> list[str]:

@@ -95,19 +95,19 @@ IMPORT_IDS_FREE = """NOT EXISTS (SELECT 1 FROM messages WHERE id IN (
     SELECT f.value ->> 0 FROM json_each({rows}) AS f))"""
 _IMPORT_COLUMNS = """{id}, e.value ->> 1, e.value ->> 2, e.value ->> 3, e.value ->> 4,
        e.value ->> 5, e.value ->> 6, e.value ->> 7, e.value ->> 8, e.value ->> 9, {scope},
-       e.value ->> 10
+       e.value ->> 10, e.value ->> 11
 FROM json_each({rows}) AS e"""
 IMPORT_MESSAGES = """
 INSERT INTO messages_fts (rowid, content, scope)
 SELECT e.value ->> 0, e.value ->> 4, {scope} FROM json_each({rows}) AS e
 WHERE ({new}) AND {free};
 INSERT INTO messages (id, session_id, turn_key, ordinal, role, content, tool_calls,
-                      tool_call_id, tool_name, timestamp, user_id, scope, metadata)
+                      tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count)
 SELECT e.value ->> 0, """ + _IMPORT_COLUMNS + """
 WHERE ({new}) AND {free} ORDER BY e.key;
 INSERT INTO temp.import_fresh (n) SELECT {n} WHERE ({new});
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
-                      tool_name, timestamp, user_id, scope, metadata)
+                      tool_name, timestamp, user_id, scope, metadata, token_count)
 SELECT """ + _IMPORT_COLUMNS + """
 WHERE EXISTS (SELECT 1 FROM temp.import_fresh) ORDER BY e.key;
 INSERT INTO messages_fts (rowid, content, scope)

@@ -11,7 +11,8 @@ from ..errors import StoreError
 # 2: recall requests and results are keyed by (session, user), not by session alone.
 # 3: key-value memory (memories, memories_fts); new tables only.
 # 4: sessions keep their model config, system prompt and whether their token counts were
-#    estimated (added columns), and are listed by source.
+#    estimated, messages their reported token count (added columns); sessions are listed by
+#    source.
 SCHEMA_VERSION = 4
 
 SCHEMA = """
@@ -51,7 +52,8 @@ CREATE TABLE IF NOT EXISTS messages (
     timestamp REAL NOT NULL,
     user_id TEXT,
     scope TEXT NOT NULL,
-    metadata TEXT
+    metadata TEXT,
+    token_count INTEGER  -- as the message reported it (its own, or its usage); else NULL
 );
 CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, id);
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
@@ -170,6 +172,7 @@ _ADDED_COLUMNS = (
     ("sessions", "model_config", "TEXT"),
     ("sessions", "system_prompt", "TEXT"),
     ("sessions", "tokens_estimated", "INTEGER NOT NULL DEFAULT 0"),
+    ("messages", "token_count", "INTEGER"),
 )
 # Set on the writer connection: a batch of inbox turns commits only while its lease holds;
 # an imported part whose message ids are taken is inserted under new ids (lifecycle).

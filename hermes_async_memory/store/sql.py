@@ -32,7 +32,7 @@ async def fetch_dicts(db: aiosqlite.Connection, sql: str,
 # A message as read back (seed 001's ``get_messages`` columns, plus its turn): for the
 # library's reads, the export and the admin CLI alike.
 MESSAGE_COLUMNS = ("id, session_id, turn_key, role, content, tool_calls, tool_call_id, "
-                   "tool_name, timestamp, user_id, metadata")
+                   "tool_name, timestamp, user_id, metadata, token_count")
 SESSION_MESSAGES = f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = ? ORDER BY id"
 
 

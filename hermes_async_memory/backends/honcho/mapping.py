@@ -100,7 +100,8 @@ class Mapper:
             return Unit(turn, self._memory_msgs(turn, user_peer, created))
         step = self.config.max_message_chars
         msgs: list[Msg] = []
-        for ordinal, (role, content, calls_json, call_id, tool_name) in enumerate(turn.messages):
+        for ordinal, m in enumerate(turn.messages):
+            role, content, calls_json, call_id, tool_name = m[:5]
             parts = [content[i:i + step] for i in range(0, len(content), step)] or [""]
             for p, part in enumerate(parts):
                 index = len(msgs)
@@ -114,6 +115,8 @@ class Mapper:
                     md["tool_call_id"] = call_id
                 if tool_name:
                     md["tool_name"] = tool_name
+                if len(m) > 5 and p == 0:
+                    md["token_count"] = m[5]
                 params = honcho.MessageCreateParams(
                     content=part, peer_id=user_peer if role == "user" else self.assistant,
                     metadata=md, created_at=created)
