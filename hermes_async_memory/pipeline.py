@@ -383,6 +383,35 @@ class MemoryPipeline:
             if not self.barrier.waiting and self._state == OPEN:
                 parts.writer.hurry(False)
 
+    async def committed(self, receipts: Sequence[Receipt], timeout: float | None = None  # noqa: ASYNC109
+                        ) -> None:
+        """Return once the records of ``receipts`` are settled in the store, for every reader
+        of it: committed (or dead-lettered) by this pipeline's writer; for a producer, by
+        the worker that claims them from the shared inbox (a producer's ``flush`` only hands
+        them over).
+
+        Raises:
+            FlushTimeoutError, PipelineFailedError, PipelineClosedError: as ``flush``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        for lane in dict.fromkeys(r.session_id for r in receipts):
+            await self.flush_lane(lane, left())
+        if self.settings.role != "producer" or not receipts:
+            return
+        keys = {r.key for r in receipts}
+        poll_s = self.settings.shared_poll_ms / 1000
+        with anyio.move_on_after(left()):
+            # No signal crosses processes: poll the done keys, as the shared parts do.
+            while keys := keys - await self.store.done_keys(keys):  # noqa: ASYNC110
+                await anyio.sleep(poll_s)
+            return
+        raise FlushTimeoutError(f"the worker did not commit {len(keys)} of {len(receipts)} "
+                                f"records within {timeout} s; they stay in the shared inbox")
+
     async def get_messages(self, session_id: str) -> list[dict[str, Any]]:
         """The session's stored messages, in order.
 

@@ -238,8 +238,8 @@ async def test_search_by_session_and_the_text_output(filled: Settings, run_cli: 
     assert [(h["session_id"], h["role"]) for h in session.json()] == [("n1", "user")]
     assert both.json() == []  # b1 is bob's session, not ada's
     header, line = text.out.splitlines()
-    assert header.split() == ["SESSION", "ROLE", "TIME", "SNIPPET"]
-    assert line.startswith("a1") and "user" in line and "tram to Belém" in line
+    assert header.split() == ["SESSION", "SOURCE", "ROLE", "TIME", "SNIPPET"]
+    assert line.startswith("a1") and "user" in line and ">>>tram<<< to Belém" in line
     assert nothing.out.strip() == "no matches"
 
 
@@ -247,7 +247,63 @@ async def test_search_without_a_scope_is_a_usage_error(filled: Settings, run_cli
     result = await run_cli("search", "Lisbon", "--db", str(filled.db_path))
 
     assert result.code == 2
-    assert "--user or --session" in one_error_line(result.err)
+    assert "--user, --session or --all-users" in one_error_line(result.err)
+
+
+async def add_telegram_session(settings: Settings) -> None:
+    """a3: ada's, from telegram, split from a1 (its parent), its reply reporting its usage."""
+    async with MemoryPipeline(settings) as mem:
+        mem.sync_turn("", "", session_id="a3", user_id="ada", messages=[
+            {"role": "user", "content": "Lisbon trains on Sunday?"},
+            {"role": "assistant", "content": "Every hour from Rossio to Sintra.",
+             "usage": {"prompt_tokens": 30, "completion_tokens": 9}}],
+            metadata={"source": "telegram", "parent_session_id": "a1", "input_tokens": 30,
+                      "output_tokens": 9})
+        await mem.flush()
+
+
+async def test_search_filters_syntax_and_paging_from_the_shell(
+    filled: Settings, run_cli: Any
+) -> None:
+    await add_telegram_session(filled)
+    db = str(filled.db_path)
+
+    async def ids(*argv: str) -> list[tuple[str, str]]:
+        result = await run_cli("search", *argv, "--db", db, "--json")
+        assert result.code == 0, result.err
+        return [(h["session_id"], h["role"]) for h in result.json()]
+
+    ada_lisbon = await ids("Lisbon", "--user", "ada")
+    assert {s for s, _ in ada_lisbon} == {"a1", "a2", "a3"}
+    assert await ids("Lisbon", "--user", "ada", "--source", "telegram") == [("a3", "user")]
+    assert "a3" not in {s for s, _ in await ids("Lisbon", "--user", "ada",
+                                                "--exclude-source", "telegram")}
+    assert {r for _, r in await ids("Lisbon", "--user", "ada", "--role", "assistant")} == {
+        "assistant"}
+    # Pages: two of two, then the next two, are the first four.
+    first = await ids("Lisbon", "--user", "ada", "--limit", "2")
+    second = await ids("Lisbon", "--user", "ada", "--limit", "2", "--offset", "2")
+    assert first + second == (await ids("Lisbon", "--user", "ada", "--limit", "4"))
+    assert len(first) == len(second) == 2
+    # FTS5 syntax when asked for; in plain text the same words are data.
+    assert await ids('"tram to"', "--syntax", "fts5", "--user", "ada") == [("a1", "user")]
+    assert await ids("tram NOT Belém", "--syntax", "fts5", "--user", "ada") == []
+    assert await ids("tram NOT Belém", "--user", "ada") == []  # plain: every word, "not" too
+    assert await ids("Sint*", "--syntax", "fts5", "--user", "ada") == [("a3", "assistant")]
+    broken = await run_cli("search", '"unclosed', "--syntax", "fts5", "--user", "ada",
+                           "--db", db)
+    assert broken.code == 2 and broken.out == ""
+    assert "never closed" in one_error_line(broken.err)
+    # An administrator's search reads everyone's; a hit carries its context.
+    everyone = await run_cli("search", "swordfish", "--all-users", "--db", db, "--json")
+    hits = everyone.json()
+    assert {h["session_id"] for h in hits} == {"b1"}
+    assert hits[0]["source"] == "api" and ">>>swordfish<<<" in hits[0]["snippet"]
+    by_role = {h["role"]: h for h in hits}
+    assert by_role["user"]["after"] == {"role": "assistant",
+                                        "content": "Noted: swordfish, Lisbon hotel."}
+    assert by_role["assistant"]["before"]["content"] == "My Lisbon hotel door code is swordfish"
+    assert by_role["assistant"]["after"]["content"] == "Book a table for eight"
 
 
 # -- sessions --------------------------------------------------------------------------
@@ -268,8 +324,8 @@ async def test_sessions_list_newest_first_and_by_user(filled: Settings, run_cli:
         (s["started_at"] for s in everyone), reverse=True)
     assert {s["id"] for s in ada} == {"a1", "a2"}
     assert one == everyone[:1]
-    assert [line.split()[:3] for line in text.out.splitlines()] == [
-        ["SESSION", "USER", "MESSAGES"], ["b1", "bob", "4"]]
+    assert [line.split()[:4] for line in text.out.splitlines()] == [
+        ["SESSION", "USER", "SOURCE", "MESSAGES"], ["b1", "bob", "api", "4"]]
 
 
 async def test_sessions_show_prints_the_messages_in_order(filled: Settings, run_cli: Any) -> None:
@@ -287,6 +343,86 @@ async def test_sessions_show_prints_the_messages_in_order(filled: Settings, run_
                  if content.isascii() and "\n" not in content]
     assert positions == sorted(positions)
     assert "  Thanks!\n  Second line." in text.out
+
+
+async def test_sessions_reads_by_source_chain_conversation_and_counts(
+    filled: Settings, run_cli: Any
+) -> None:
+    await add_telegram_session(filled)
+    db = str(filled.db_path)
+    ended = await run_cli("sessions", "end", "a1", "--reason", "compression", "--db", db)
+    assert ended.code == 0, ended.err
+
+    telegram = (await run_cli("sessions", "list", "--source", "telegram", "--db", db,
+                              "--json")).json()
+    assert [s["id"] for s in telegram] == ["a3"]
+    everyone = (await run_cli("sessions", "list", "--db", db, "--json")).json()
+    page = (await run_cli("sessions", "list", "--limit", "2", "--offset", "1", "--db", db,
+                          "--json")).json()
+    assert page == everyone[1:3]
+
+    # show: the end and its reason, and each message's reported token count.
+    a1 = await run_cli("sessions", "show", "a1", "--db", db)
+    assert "ended     " in a1.out and "(compression)" in a1.out
+    a3 = (await run_cli("sessions", "show", "a3", "--db", db, "--json")).json()
+    assert a3["parent_session_id"] == "a1" and a3["source"] == "telegram"
+    assert (a3["input_tokens"], a3["output_tokens"], a3["tokens_estimated"]) == (30, 9, False)
+    assert [m["token_count"] for m in a3["messages"]] == [None, 9]
+    assert "assistant (9 tokens):" in (await run_cli("sessions", "show", "a3", "--db", db)).out
+
+    # conversation: OpenAI chat format, the tool result right after its call.
+    conversation = (await run_cli("sessions", "conversation", "a2", "--db", db)).json()
+    assert [m["role"] for m in conversation][-4:] == ["user", "assistant", "tool", "assistant"]
+    assert conversation[-2] == {"role": "tool", "content": "14:05", "tool_call_id": "c1",
+                                "name": "clock"}
+    assert conversation[-3]["tool_calls"] == TOOL_TURN[1]["tool_calls"]
+
+    # chain: both ways.
+    up = (await run_cli("sessions", "chain", "a3", "--db", db, "--json")).json()
+    down = (await run_cli("sessions", "chain", "a1", "--db", db, "--json")).json()
+    assert [s["id"] for s in up["ancestors"]] == ["a1"] and up["descendants"] == []
+    assert [s["id"] for s in down["descendants"]] == ["a3"] and down["ancestors"] == []
+    text = await run_cli("sessions", "chain", "a3", "--db", db)
+    assert [line.split()[:2] for line in text.out.splitlines()[1:]] == [
+        ["ancestor", "a1"], ["this", "a3"]]
+
+    # counts, by user and source.
+    ada = (await run_cli("sessions", "counts", "--user", "ada", "--db", db, "--json")).json()
+    assert ada == {"sessions": 3, "messages": sum(
+        len(expected_messages(s)) for s in ("a1", "a2")) + 2}
+    assert (await run_cli("sessions", "counts", "--source", "telegram", "--db", db)
+            ).out.strip() == "1 sessions, 2 messages"
+    # Bad ids are usage errors, one line each.
+    for argv in (["sessions", "list", "--user", "bad\x00id"],
+                 ["sessions", "conversation", "nope"], ["sessions", "chain", "nope"]):
+        result = await run_cli(*argv, "--db", db)
+        assert result.code in (1, 2) and result.out == "", argv
+        one_error_line(result.err)
+
+
+async def test_lifecycle_writes_go_through_a_running_worker_that_holds_the_store(
+    tmp_path: Path, run_cli: Any
+) -> None:
+    """With a worker holding the outbox, the CLI cannot open the store's pipeline: it hands
+    the event to the worker through the shared inbox and waits for it to commit."""
+    settings = Settings(db_path=tmp_path / "memory.db", role="worker")
+    db = str(settings.db_path)
+    async with MemoryPipeline(settings) as worker:
+        for sid in ("w1", "w2", "w3"):
+            worker.sync_turn(f"hello from {sid}", "hi", session_id=sid, user_id="ada")
+        await worker.flush()
+
+        ended = await run_cli("sessions", "end", "w1", "--reason", "done", "--db", db, "--json")
+        deleted = await run_cli("sessions", "delete", "w2", "--db", db, "--json")
+
+        assert ended.code == 0, ended.err
+        assert deleted.code == 0, deleted.err
+        # Committed by the worker before the commands returned.
+        shown = await worker.sessions.get_session("w1")
+        assert shown is not None and shown.end_reason == "done"
+        assert await worker.sessions.get_session("w2") is None
+        assert await worker.sessions.get_session("w3") is not None
+    assert sorted(stored_turns(settings.db_path)) == ["w1", "w3"]
 
 
 async def test_sessions_show_of_an_unknown_id_is_one_line_and_exit_1(

@@ -3,7 +3,8 @@
     hermes-memory worker [--db PATH] [--deadline SECONDS] [--demo] [--log-format json|console]
     hermes-memory status                                      (cli.status)
     hermes-memory search                                      (cli.search)
-    hermes-memory sessions list | show | export               (cli.sessions)
+    hermes-memory sessions list | show | conversation | chain | counts | export | import |
+                           end | delete | prune               (cli.sessions)
     hermes-memory dead-letters list | replay                  (cli.dead_letters)
     hermes-memory eval                                        (cli.evaluate)
     hermes-memory hermes install                              (hermes.install)
@@ -12,7 +13,7 @@ Subcommands other than ``worker`` come from the modules in ``_COMMAND_MODULES``:
 ``register(commands)`` that adds its parsers and sets ``handler`` (args -> exit code) as
 their default. Those modules import only argparse at the top; what a command needs is
 imported when it runs. Errors are one line on stderr: exit 2 for a usage or configuration
-error, 1 for a store or file-system error.
+error (an invalid id or search included), 1 for a store or file-system error.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-from ..errors import ConfigurationError, HermesMemoryError
+from ..errors import ConfigurationError, HermesMemoryError, InvalidTurnError
 
 PROG = "hermes-memory"
 EXIT_FAILURE = 1
@@ -62,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return handler(args)
     except SystemExit as exc:  # --help, or a usage error argparse has already printed
         return exit_code(exc)
-    except ConfigurationError as exc:
+    except (ConfigurationError, InvalidTurnError) as exc:  # what was asked cannot be done
         return fail(PROG, exc, EXIT_USAGE)
     except (HermesMemoryError, OSError) as exc:
         return fail(PROG, exc, EXIT_FAILURE)

@@ -2,10 +2,11 @@
 store, and plain-text output.
 
 Every such command takes ``--db PATH`` (default: ``Settings.from_env().db_path``). Reads go
-through ``store.inspect.StoreReader``, which opens the file read-only and takes no lock, so
-they work beside a running worker; only ``dead-letters replay`` writes, through the store's
-own transactions. Only argparse and the standard library are imported here at start-up; a
-command imports what it needs when it runs.
+through ``store.inspect.StoreReader`` (status, dead letters) or the session store's reads on
+the file (``session_reads``); both open the file read-only and take no lock, so they work
+beside a running worker. Writes go through the durable path (``sessions``), or the store's
+own transactions (``dead-letters replay``). Only argparse and the standard library are
+imported here at start-up; a command imports what it needs when it runs.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import EXIT_FAILURE, EXIT_USAGE, PROG, fail
 
 if TYPE_CHECKING:
+    from ..sessions.reads import FileSessionReads
     from ..settings import Settings
     from ..store.inspect import StoreReader
 
@@ -56,6 +59,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
@@ -110,6 +123,20 @@ def open_reader(settings: Settings) -> StoreReader:
         raise store_error(f"no memory store at {settings.db_path} (give --db PATH or set "
                           "HERMES_MEMORY_DB_PATH)")
     return StoreReader(settings.db_path, busy_timeout_ms=settings.busy_timeout_ms)
+
+
+def session_reads(settings: Settings) -> AbstractAsyncContextManager[FileSessionReads]:
+    """The session store's reads on the store file, read-only (``open_session_reads``).
+
+    Raises:
+        StoreError: no such file, not a store of ours, another version, unreadable.
+    """
+    from ..sessions.reads import open_session_reads
+
+    if not settings.db_path.exists():
+        raise store_error(f"no memory store at {settings.db_path} (give --db PATH or set "
+                          "HERMES_MEMORY_DB_PATH)")
+    return open_session_reads(settings.db_path, busy_timeout_ms=settings.busy_timeout_ms)
 
 
 def when(ts: float | None) -> str:

@@ -4,22 +4,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, Iterable
 
 from .lifecycle import SessionWrites
 from .reads import SessionReads
-from .transfer import IMPORT_TIMEOUT_S, ImportResult, export_sessions, import_sessions
+from .transfer import IMPORT_TIMEOUT_S, ImportResult, import_sessions
 
 
 class SessionStore(SessionReads, SessionWrites):
     """Search, read, describe, end, delete, prune, export and import a pipeline's sessions.
     Reads are async on the pipeline's loop (``blocking()`` for other threads); the
     ``*_nowait`` writes are safe from any thread and durable when they return."""
-
-    def export(self, *, user_id: str | None = None, session_id: str | None = None
-               ) -> AsyncIterator[str]:
-        """The committed sessions as JSON lines, oldest first (``transfer.export_sessions``)."""
-        return export_sessions(self._p, user_id=user_id, session_id=session_id)
 
     async def import_lines(self, lines: Iterable[str] | AsyncIterable[str], *,
                            timeout_s: float = IMPORT_TIMEOUT_S) -> ImportResult:

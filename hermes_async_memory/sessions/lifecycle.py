@@ -158,8 +158,7 @@ class SessionWrites:
         candidates = await self._p.store.prunable_sessions(cutoff, source)
         receipts = [self._accept(sid, user, "delete", ended_before=cutoff, source=source)
                     for sid, user in candidates]
-        if receipts:
-            await self._p.flush_lane(receipts[-1].session_id, timeout_s)
+        await self._p.committed(receipts, timeout_s)
         ids = tuple(sid for sid, _ in candidates)
         remaining = await self._p.store.existing_sessions(ids)
         return PruneResult(cutoff, ids, tuple(s for s in ids if s not in remaining))

@@ -11,17 +11,21 @@ other thread.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..blocking import run_blocking
 from ..errors import InvalidTurnError, PipelineClosedError, StoreError
 from ..turns import check_id, scope_token_for
 from .search import InvalidSearchError, content_expression, is_fts5_syntax_error, scoped_match
+from .transfer import ExportLine, export_line
 
 if TYPE_CHECKING:
     from ..pipeline import MemoryPipeline
+    from ..store import SqliteStore
 
 T = TypeVar("T")
 MAX_SEARCH_LIMIT = 100
@@ -233,7 +237,7 @@ class SessionReads:
             tokens.append(scope_token_for(None, session))
         match = scoped_match(expression, tokens)
         try:
-            rows = await self._p.store.search_messages(
+            rows = await self._store().search_messages(
                 match, sources=only_sources, exclude_sources=not_sources, roles=only_roles,
                 session_id=session, user_id=user,
                 no_user=user is None and not all_users, limit=limit, offset=offset,
@@ -260,7 +264,7 @@ class SessionReads:
         limit = _int("limit", limit, 1, MAX_LIST_LIMIT)
         offset = _int("offset", offset, 0, MAX_OFFSET)
         self._check_open()
-        rows = await _read(self._p.store.list_sessions(
+        rows = await _read(self._store().list_sessions(
             source=source, user_id=user, limit=limit, offset=offset))
         return [SessionInfo.from_row(r) for r in rows]
 
@@ -272,7 +276,7 @@ class SessionReads:
         """
         session = _session(session_id)
         self._check_open()
-        row = await _read(self._p.store.get_session(session))
+        row = await _read(self._store().get_session(session))
         return None if row is None else SessionInfo.from_row(row)
 
     async def messages(self, session_id: str) -> list[dict[str, Any]]:
@@ -286,7 +290,7 @@ class SessionReads:
         """
         session = _session(session_id)
         self._check_open()
-        return await _read(self._p.store.get_messages(session))
+        return await _read(self._store().get_messages(session))
 
     async def conversation(self, session_id: str) -> list[dict[str, Any]]:
         """The session's messages in OpenAI chat format, in order ([] when none): each
@@ -315,7 +319,7 @@ class SessionReads:
         """
         session = _session(session_id)
         self._check_open()
-        up, down, truncated = await _read(self._p.store.parent_chain(session))
+        up, down, truncated = await _read(self._store().parent_chain(session))
         ancestors: list[SessionInfo] = []
         missing = None
         for chain_id, row in up:  # nearest first
@@ -337,10 +341,38 @@ class SessionReads:
         user = _id("user_id", user_id, optional=True)
         session = _id("session_id", session_id, optional=True)
         self._check_open()
-        store = self._p.store
+        store = self._store()
         sessions = await _read(store.count_sessions(source, user, session))
         messages = await _read(store.count_messages(session, user, source))
         return SessionCounts(sessions, messages)
+
+    def export(self, *, user_id: str | None = None, session_id: str | None = None
+               ) -> AsyncIterator[ExportLine]:
+        """The committed sessions (of ``user_id``; or just ``session_id``), oldest first,
+        as export lines (``transfer.export_line``), one at a time, from one snapshot however
+        long the caller takes.
+
+        Raises:
+            InvalidSearchError: an invalid id. PipelineClosedError, StoreError.
+        """
+        user = _id("user_id", user_id, optional=True)
+        session = _id("session_id", session_id, optional=True)
+        self._check_open()
+        return self._export(user, session)
+
+    async def _export(self, user_id: str | None, session_id: str | None
+                      ) -> AsyncIterator[ExportLine]:
+        rows = self._store().export_sessions(user_id=user_id, session_id=session_id)
+        try:
+            async for session, messages in rows:
+                yield export_line(session, messages)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the store: {exc}") from exc
+        finally:
+            await rows.aclose()
+
+    def _store(self) -> SqliteStore:
+        return self._p.store
 
     def _check_open(self) -> None:
         if self._p.state not in _READABLE:
@@ -394,6 +426,50 @@ class BlockingSessionReads:
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return run_blocking(self._r.pipeline, coro, self._timeout_s)
+
+
+class FileSessionReads(SessionReads):
+    """The same reads on a store file opened read-only, with no pipeline: for a tool that
+    reads beside the process that writes the file (``open_session_reads``)."""
+
+    def __init__(self, store: SqliteStore) -> None:
+        self._file_store: SqliteStore | None = store
+
+    @property
+    def pipeline(self) -> MemoryPipeline:
+        raise PipelineClosedError("these reads have no pipeline: they read a file")
+
+    def blocking(self, timeout_s: float = READ_TIMEOUT_S) -> BlockingSessionReads:
+        raise PipelineClosedError("reads of a file have no blocking form: await them")
+
+    def _store(self) -> SqliteStore:
+        if self._file_store is None:
+            raise PipelineClosedError("the store file is closed")
+        return self._file_store
+
+    def _check_open(self) -> None:
+        self._store()
+
+
+@asynccontextmanager
+async def open_session_reads(path: Path | str, *, busy_timeout_ms: int = 10_000
+                             ) -> AsyncIterator[FileSessionReads]:
+    """The session reads of the store file at ``path``, opened read-only (no writer, no
+    lock, no migration): safe beside a running pipeline or worker.
+
+    Raises:
+        StoreError: no such file, not a store of ours, another schema version, unreadable.
+    """
+    from ..store import SqliteStore
+
+    store = SqliteStore(Path(path), readers=1, busy_timeout_ms=busy_timeout_ms)
+    await store.open_readonly()
+    reads = FileSessionReads(store)
+    try:
+        yield reads
+    finally:
+        reads._file_store = None
+        await store.aclose()
 
 
 def pair_tool_results(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -504,5 +580,6 @@ def _value(name: str, value: object) -> str:
     return checked
 
 
-__all__ = ["BlockingSessionReads", "ContextMessage", "SearchHit", "SessionChain",
-           "SessionCounts", "SessionInfo", "SessionReads", "pair_tool_results"]
+__all__ = ["BlockingSessionReads", "ContextMessage", "FileSessionReads", "SearchHit",
+           "SessionChain", "SessionCounts", "SessionInfo", "SessionReads", "open_session_reads",
+           "pair_tool_results"]

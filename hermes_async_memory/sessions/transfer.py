@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidTurnError
 from ..ops import encode_session_op
-from ..turns import MAX_TOKENS, check_id, is_token_count
+from ..turns import MAX_TOKENS, Receipt, check_id, is_token_count
 from .lifecycle import InvalidSessionError
 
 if TYPE_CHECKING:
@@ -56,19 +56,27 @@ class ImportResult:
         return {"imported": self.imported, "skipped": self.skipped, "messages": self.messages}
 
 
-def export_line(session: Mapping[str, Any], messages: list[dict[str, Any]]) -> str:
-    """One session as its export line (with the newline)."""
-    return json.dumps({**session, "messages": messages}, ensure_ascii=False) + "\n"
+class ExportLine(str):
+    """One session's export line (with the newline); ``messages``: how many it holds."""
+
+    __slots__ = ("messages",)
+    messages: int
+
+
+def export_line(session: Mapping[str, Any], messages: list[dict[str, Any]]) -> ExportLine:
+    """One session as its export line."""
+    line = ExportLine(json.dumps({**session, "messages": messages}, ensure_ascii=False) + "\n")
+    line.messages = len(messages)
+    return line
 
 
 async def export_sessions(pipeline: MemoryPipeline, *, user_id: str | None = None,
                           session_id: str | None = None) -> AsyncIterator[str]:
     """The committed sessions (of ``user_id``; or just ``session_id``), oldest first, one
-    line at a time: a reader for the whole export, one snapshot however long it takes."""
-    store = pipeline.store
-    async for session, messages in store.export_sessions(user_id=user_id,
-                                                         session_id=session_id):
-        yield export_line(session, messages)
+    line at a time: a reader for the whole export, one snapshot however long it takes
+    (``pipeline.sessions.export``)."""
+    async for line in pipeline.sessions.export(user_id=user_id, session_id=session_id):
+        yield line
 
 
 async def import_sessions(pipeline: MemoryPipeline,
@@ -84,35 +92,39 @@ async def import_sessions(pipeline: MemoryPipeline,
         QueueFullError, DiskFullError, PipelineClosedError, PipelineFailedError.
     """
     imported = skipped = n_messages = 0
-    last_lane = None
+    receipts: list[Receipt] = []
     budget = pipeline.settings.max_turn_bytes - _PART_OVERHEAD
     number = 0
-    async for line in _lines(lines):
-        number += 1
-        if not line.strip():
-            continue
-        session, messages = _parse(line, number)
-        sid = session["id"]
-        if await pipeline.store.existing_sessions([sid]):
-            skipped += 1
-            continue
-        row = {k: session.get(k) for k in _ROW_COLUMNS}
-        user = session.get("user_id")
-        parts = _parts(messages, budget, number)
-        for i, part in enumerate(parts or [[]]):
-            key, at = pipeline.new_key(), time.time()
-            data = encode_session_op(
-                key, sid, user, at, "import", row=row if i == 0 else None, messages=part,
-                started_at=float(session["started_at"])).encode("ascii")
-            if len(data) > pipeline.settings.max_turn_bytes:
-                raise InvalidImportError(f"line {number}: a message is larger than "
-                                         "max_turn_bytes")
-            pipeline.accept_record(key, sid, at, data)
-        last_lane = sid
-        imported += 1
-        n_messages += len(messages)
-    if last_lane is not None:
-        await pipeline.flush(timeout=timeout_s)
+    try:
+        async for line in _lines(lines):
+            number += 1
+            if not line.strip():
+                continue
+            session, messages = _parse(line, number)
+            sid = session["id"]
+            if await pipeline.store.existing_sessions([sid]):
+                skipped += 1
+                continue
+            row = {k: session.get(k) for k in _ROW_COLUMNS}
+            user = session.get("user_id")
+            records = []
+            for i, part in enumerate(_parts(messages, budget, number) or [[]]):
+                key, at = pipeline.new_key(), time.time()
+                data = encode_session_op(
+                    key, sid, user, at, "import", row=row if i == 0 else None, messages=part,
+                    started_at=float(session["started_at"])).encode("ascii")
+                if len(data) > pipeline.settings.max_turn_bytes:
+                    raise InvalidImportError(f"line {number}: a message is larger than "
+                                             "max_turn_bytes")
+                records.append((key, at, data))
+            # Accepted whole or not at all: a line refused halfway leaves no part behind.
+            receipts += [pipeline.accept_record(key, sid, at, data) for key, at, data in records]
+            imported += 1
+            n_messages += len(messages)
+    except InvalidImportError:
+        await pipeline.committed(receipts, timeout_s)  # what was accepted before it commits
+        raise
+    await pipeline.committed(receipts, timeout_s)
     return ImportResult(imported, skipped, n_messages)
 
 

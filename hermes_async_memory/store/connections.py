@@ -16,6 +16,7 @@ import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from urllib.parse import quote
 
 import aiosqlite
 import anyio
@@ -31,7 +32,7 @@ from ..faults import (
     SQLITE_READONLY,
     sqlite_code,
 )
-from .schema import check_tables, migrate
+from .schema import check_current, check_tables, migrate
 
 log = structlog.get_logger(__name__)
 
@@ -113,6 +114,34 @@ class Connections:
                         t in str(exc) for t in ("readonly", "unable to open", "read-only"))):
                 raise StoreAccessError(f"cannot write the store {self.path}: {exc}") from exc
             raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def open_readonly(self) -> None:
+        """Open the file for reads only: its readers (``mode=ro``), no writer, no migration,
+        no lock, so a tool can read beside the pipeline or worker that writes it. The file
+        must be a store of this version (an older one is brought up to date by the next
+        ``open()``).
+
+        Raises:
+            StoreError: no such file, not a store of ours, another version, or unreadable.
+        """
+        if not self.path.is_file():
+            raise StoreError(f"no memory store at {self.path}")
+        uri = "file:" + quote(str(self.path.resolve())) + "?mode=ro"
+        try:
+            for _ in range(self._readers_n):
+                conn = await aiosqlite.connect(uri, uri=True, isolation_level=None)
+                self._all_readers.append(conn)
+                self._readers.put_nowait(conn)
+                await conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
+            await check_current(self._all_readers[0], self.path)
+        except sqlite3.Error as exc:
+            await self.aclose()
+            if sqlite_code(exc) in (SQLITE_CORRUPT, SQLITE_NOTADB):
+                raise CorruptStoreError(self.path, str(exc)) from exc
+            raise StoreError(f"cannot read the store {self.path}: {exc}") from exc
         except BaseException:
             await self.aclose()
             raise

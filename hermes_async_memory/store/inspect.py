@@ -1,4 +1,4 @@
-"""A read-only look into a store file, for the admin CLI and other inspectors.
+"""A read-only look into a store file's state (status, dead letters), for the admin CLI.
 
 ``StoreReader`` is synchronous: a command-line tool runs one read at a time, and an event
 loop would only add a thread hop per read. It opens the file with ``mode=ro``, so it never
@@ -20,13 +20,10 @@ from typing import Any
 from urllib.parse import quote
 
 from ..errors import StoreError
-from .messages import SEARCH, Hit
-from .schema import SCHEMA_VERSION
-from .sql import KEY_CHUNK, SESSION_MESSAGES, decode_message
+from .schema import REQUIRED_TABLES, SCHEMA_VERSION
+from .sql import KEY_CHUNK
 
 # The tables every store has had; the inbox and replica outbox came later and may be missing.
-REQUIRED_TABLES = ("schema_version", "sessions", "messages", "messages_fts", "outbox")
-_SESSION_LIST_COLUMNS = "id, user_id, source, model, message_count, started_at, updated_at"
 
 
 @dataclass
@@ -165,63 +162,6 @@ class StoreReader:
                     f"SELECT key FROM {table} WHERE key IN ({marks})", chunk))
         return found
 
-    # -- search --------------------------------------------------------------------------
-
-    def search(self, match: str, *, limit: int, snippet_tokens: int) -> list[Hit]:
-        """Run one FTS5 MATCH expression (already quoted and scoped by the caller), best
-        first, as ``SqliteStore.search`` does."""
-        with self._reading():
-            rows = self._conn.execute(SEARCH, (snippet_tokens, match, limit)).fetchall()
-        return [Hit(r[0], r[1], r[2], r[3], r[4]) for r in rows]
-
-    def max_message_id(self) -> int:
-        """The highest message id: the number of messages ever stored, near enough."""
-        return int(self._value("SELECT coalesce(max(id), 0) FROM messages"))
-
-    def term_rows(self, terms: Sequence[str]) -> dict[str, int]:
-        """In how many messages each term occurs (the FTS index's vocabulary)."""
-        return {t: int(self._value(
-            "SELECT doc FROM messages_vocab WHERE col = 'content' AND term = ?", (t,)) or 0)
-            for t in terms}
-
-    # -- sessions ------------------------------------------------------------------------
-
-    def sessions(self, *, user: str | None = None, limit: int) -> list[dict[str, Any]]:
-        """The newest sessions (of ``user``), with their counts."""
-        where, params = ("WHERE user_id = ?", [user]) if user else ("", [])
-        return self._rows(f"SELECT {_SESSION_LIST_COLUMNS} FROM sessions {where} "
-                          "ORDER BY started_at DESC, id LIMIT ?", [*params, limit])
-
-    def session(self, session_id: str) -> dict[str, Any] | None:
-        """A session's row, every column, or None."""
-        rows = self._rows("SELECT * FROM sessions WHERE id = ?", (session_id,))
-        return rows[0] if rows else None
-
-    def messages(self, session_id: str) -> list[dict[str, Any]]:
-        """A session's messages in order, as ``SqliteStore.get_messages`` returns them
-        (``tool_calls`` and ``metadata`` decoded; shown as stored if they are not JSON)."""
-        return [decode_message(r) for r in self._rows(SESSION_MESSAGES, (session_id,))]
-
-    def count_sessions(self, *, user: str | None = None, session: str | None = None) -> int:
-        where, params = _session_filter(user, session)
-        return int(self._value(f"SELECT count(*) FROM sessions {where}", params))
-
-    def iter_sessions(self, *, user: str | None = None, session: str | None = None
-                      ) -> Iterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
-        """Every session (of ``user``; or just ``session``), oldest first, with its
-        messages: one at a time, to stream. Call it inside ``snapshot()`` for an export
-        that is consistent however long it takes."""
-        where, params = _session_filter(user, session)
-        with self._reading():
-            cur = self._conn.execute(
-                f"SELECT * FROM sessions {where} ORDER BY started_at, id", params)
-        while True:
-            with self._reading():
-                row = cur.fetchone()
-            if row is None:
-                return
-            yield dict(row), self.messages(row["id"])
-
     # -- dead letters --------------------------------------------------------------------
 
     def dead_letters(self, limit: int) -> tuple[int, list[dict[str, Any]]]:
@@ -260,14 +200,3 @@ class StoreReader:
             "SELECT backend, count(*) AS n FROM replica_outbox WHERE status = 'dead' "
             "GROUP BY backend ORDER BY backend")]
 
-
-def _session_filter(user: str | None, session: str | None) -> tuple[str, list[object]]:
-    clauses: list[str] = []
-    params: list[object] = []
-    if user:
-        clauses.append("user_id = ?")
-        params.append(user)
-    if session:
-        clauses.append("id = ?")
-        params.append(session)
-    return (f"WHERE {' AND '.join(clauses)}" if clauses else ""), params

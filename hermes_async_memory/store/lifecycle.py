@@ -20,7 +20,7 @@ after the messages of every turn that came before, and before any that came afte
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from ..ops import SessionOp, parse_session
@@ -205,9 +205,9 @@ class Lifecycle(Connections):
                     found.update(str(r[0]) for r in await cur.fetchall())
         return found
 
-    async def export_sessions(self, *, user_id: str | None = None,
-                              session_id: str | None = None
-                              ) -> AsyncIterator[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    async def export_sessions(
+        self, *, user_id: str | None = None, session_id: str | None = None,
+    ) -> AsyncGenerator[tuple[dict[str, Any], list[dict[str, Any]]], None]:
         """Every session (of ``user_id``; or just ``session_id``), oldest first, with its
         messages (tool calls and metadata decoded), from one read transaction: a consistent
         snapshot however long the caller takes."""

@@ -227,6 +227,33 @@ async def _rekey_recalls(db: aiosqlite.Connection) -> None:
     await db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
 
 
+# A file without these is not a store of ours.
+REQUIRED_TABLES = ("schema_version", "sessions", "messages", "messages_fts", "outbox")
+
+
+async def check_current(db: aiosqlite.Connection, path: Path) -> None:
+    """That ``db`` is a store of ours at this library's schema version, for a reader that
+    cannot bring it up to date.
+
+    Raises:
+        StoreError: not a store of ours, or another version (saying which way).
+        sqlite3.Error: the file cannot be read.
+    """
+    async with db.execute("SELECT name FROM sqlite_master WHERE type = 'table'") as cur:
+        tables = {row[0] for row in await cur.fetchall()}
+    missing = [t for t in REQUIRED_TABLES if t not in tables]
+    if missing:
+        raise StoreError(f"{path} is not a hermes-memory store (no table {', '.join(missing)})")
+    async with db.execute("SELECT max(version) FROM schema_version") as cur:
+        row = await cur.fetchone()
+    version = row[0] if row else None
+    if version != SCHEMA_VERSION:
+        raise StoreError(
+            f"{path} has schema version {version}; this library reads {SCHEMA_VERSION}"
+            + (": open it once with the pipeline or the worker to bring it up to date"
+               if version is not None and version < SCHEMA_VERSION else ""))
+
+
 async def check_tables(db: aiosqlite.Connection) -> None:
     """One cheap read of every table: a damaged page behind them shows now, not later."""
     for query in ("SELECT max(rowid) FROM sessions", "SELECT max(id) FROM messages",
