@@ -33,6 +33,9 @@ SESSION_FIELDS: dict[str, type] = {
     "source": str, "model": str, "model_config": dict, "system_prompt": str,
     "parent_session_id": str, "tokens_estimated": bool,
 }
+# A replica row's copy of a describe, end or import record also holds the session's row as
+# that event left it, under this key (``store.lifecycle.SNAPSHOT``): what a backend mirrors.
+SNAPSHOT_FIELD = "snap"
 # No id may hold this character (``turns.check_id``), so a lane is never a session's id.
 LANE_MARK = "\x01"
 
@@ -69,6 +72,7 @@ class SessionOp(NamedTuple):
     row: dict[str, Any] | None = None  # import: the session's exported row (first part only)
     messages: list[list[Any]] | None = None  # import: a part of its messages, in id order
     started_at: float | None = None  # import: the exported session's start (its identity)
+    snapshot: dict[str, Any] | None = None  # a replica row's copy: the row after the event
 
 
 def lane_of(user_id: str) -> str:
@@ -161,9 +165,12 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
                 and type(m[0]) is int and type(m[1]) is str for m in messages):
             raise TypeError("the imported messages are mistyped")
         started = float(started)
+    snapshot = doc.get(SNAPSHOT_FIELD)
+    if snapshot is not None and type(snapshot) is not dict:
+        raise TypeError("the session snapshot is not an object")
     return SessionOp(record_key, session_id, user_id, float(at), action, fields, reason,
                      None if before is None else float(before), source, row, messages,
-                     started)
+                     started, snapshot)
 
 
 def parse_kv(doc: Mapping[str, Any], payload: str) -> KvOp:

@@ -7,6 +7,11 @@ One the backend refuses, or that fails ``replica_max_attempts`` sends, stays the
 backend's dead letter with the reason; the session's later turns go on. While the backend is
 unavailable (its circuit open) no attempt is counted, and a turn that was never part of a
 failed send uses up none either.
+
+A session's lifecycle events (describe, end, delete, import) wait in the same table, in the
+session's lane, each carrying its own record (``store.lifecycle``): the backend gets them in
+order with the session's turns, and a delete reaches it however many of the session's turns
+it removed unsent.
 """
 
 from __future__ import annotations

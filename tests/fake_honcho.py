@@ -9,10 +9,11 @@ most 25,000 characters; page size at most 100), so a client that breaks a rule g
 422 it would get in production. Responses follow the SDK's response models (``honcho.api_types``);
 the tests check that by letting the SDK parse every route.
 
-Like the real server, ``POST .../messages`` gets-or-creates the session and its peers, and the
-metadata filter of ``POST .../messages/list`` supports ``{"metadata": {field: value}}``
-(containment), ``{"metadata": {field: {"in": [...]}}}`` (compared as text), the other
-comparison operators, and ``AND`` / ``OR`` / ``NOT``.
+Like the real server, ``POST .../messages`` and ``PUT .../sessions/{id}`` (its metadata) get or
+create the session (and the peers), ``DELETE .../sessions/{id}`` removes it with its messages
+(404 for a session it does not have), and the metadata filter of ``POST .../messages/list``
+supports ``{"metadata": {field: value}}`` (containment), ``{"metadata": {field: {"in": [...]}}}``
+(compared as text), the other comparison operators, and ``AND`` / ``OR`` / ``NOT``.
 
 Fault injection (all thread-safe, set from the test's thread):
 
@@ -92,6 +93,11 @@ class SessionCreate(BaseModel):
     peers: dict[str, SessionPeerConfig] | None = None
     configuration: dict[str, Any] | None = None
     scopes: list[str] | None = Field(default=None, max_length=100)
+
+
+class SessionUpdate(BaseModel):
+    metadata: dict[str, Any] | None = None
+    configuration: dict[str, Any] | None = None
 
 
 class MessageCreate(BaseModel):
@@ -316,6 +322,12 @@ class FakeHoncho:
                 rows = list(self.messages.get((workspace, session), []))
             return [dict(m) for m in rows]
 
+    def session(self, session: str, workspace: str) -> dict[str, Any] | None:
+        """The stored session (a copy, metadata and all), or None when there is none."""
+        with self._lock:
+            s = self.sessions.get((workspace, session))
+            return None if s is None else json.loads(json.dumps(s))
+
     def all_messages(self) -> dict[str, list[dict[str, Any]]]:
         with self._lock:
             return {s: [dict(m) for m in ms] for (_, s), ms in self.messages.items()}
@@ -323,6 +335,16 @@ class FakeHoncho:
     def total_calls(self) -> int:
         with self._lock:
             return sum(self.calls.values())
+
+    def route_sequence(self, *routes: str) -> list[str]:
+        """The answered calls to any of ``routes``, in the order they ended."""
+        with self._lock:
+            return [r for _, r, _ in self.requests if r in routes]
+
+    def route_statuses(self, route: str) -> list[int]:
+        """The status of each answered call to ``route``, in the order they ended."""
+        with self._lock:
+            return [status for _, r, status in self.requests if r == route]
 
     def route_times(self, route: str) -> list[float]:
         with self._lock:
@@ -476,6 +498,30 @@ class FakeHoncho:
                 except FilterError as exc:
                     return unprocessable(exc)
                 return fake._session_out(s)
+
+        @app.put(ws_prefix + "/sessions/{session_id}", name="update_session")
+        async def update_session(workspace_id: str, session_id: str,
+                                 body: SessionUpdate) -> Any:
+            # As the real server (crud.update_session): get-or-create the session, then
+            # replace its metadata and merge its configuration, when given.
+            with fake._lock:
+                try:
+                    s = fake._session(workspace_id, session_id, metadata=body.metadata)
+                except FilterError as exc:
+                    return unprocessable(exc)
+                if body.configuration is not None:
+                    s["configuration"] = {**s["configuration"], **body.configuration}
+                return fake._session_out(s)
+
+        @app.delete(ws_prefix + "/sessions/{session_id}", name="delete_session")
+        async def delete_session(workspace_id: str, session_id: str) -> Any:
+            # As the real server (crud.delete_session): a hard delete of the session with its
+            # messages and its peers' membership; 404 for a session it does not have.
+            with fake._lock:
+                if fake.sessions.pop((workspace_id, session_id), None) is None:
+                    return not_found("Session")
+                fake.messages.pop((workspace_id, session_id), None)
+            return {"message": "Session deleted successfully"}
 
         @app.post(ws_prefix + "/sessions/{session_id}/peers", name="add_peers")
         async def add_peers(workspace_id: str, session_id: str,

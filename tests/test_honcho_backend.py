@@ -7,6 +7,7 @@ backend's backoff sleeps, events) under ``anyio.fail_after``, never on a fixed s
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from hermes_async_memory.backends import (
 )
 from hermes_async_memory.backends.honcho import INDEX_FIELD, KEY_FIELD, honcho_id
 from hermes_async_memory.errors import ConfigurationError
+from hermes_async_memory.ops import SNAPSHOT_FIELD, encode_session_op
 from hermes_async_memory.turns import Turn
 
 from .fake_honcho import FakeHoncho
@@ -121,7 +123,7 @@ def expected(turns: list[Turn]) -> list[tuple[str, int]]:
 
 
 async def test_the_real_sdk_parses_every_route_of_the_fake(fake: FakeHoncho) -> None:
-    from honcho import Honcho, MessageCreateParams, UnprocessableEntityError
+    from honcho import Honcho, MessageCreateParams, NotFoundError, UnprocessableEntityError
     from honcho.api_types import SessionPeerConfig
 
     honcho = Honcho(base_url=fake.base_url, workspace_id=WORKSPACE, max_retries=0)
@@ -161,6 +163,12 @@ async def test_the_real_sdk_parses_every_route_of_the_fake(fake: FakeHoncho) -> 
         await session.aio.add_messages([MessageCreateParams(content="x", peer_id="alice")] * 101)
     with pytest.raises(UnprocessableEntityError):  # the server's id pattern
         await honcho.aio.session("not valid!")
+    await session.aio.set_metadata({"model": "m-1"})
+    assert await session.aio.get_metadata() == {"model": "m-1"}
+    await session.aio.delete()  # the session goes, with its messages
+    assert fake.session("s1", WORKSPACE) is None and fake.session_messages("s1") == []
+    with pytest.raises(NotFoundError):
+        await session.aio.delete()
 
 
 # -- writing -----------------------------------------------------------------------------
@@ -325,6 +333,97 @@ async def test_a_batch_out_of_attempts_fails_with_the_rest_of_its_session(
 
     await backend.write(turns)  # later, the same turns go through, in order
     assert stored(fake, "s1") == expected([turn("s1", 0), *turns])
+
+
+# -- session lifecycle records -----------------------------------------------------------
+
+
+def record(session_id: str, key: str, action: str, snapshot: dict[str, Any] | None = None,
+           **fields: Any) -> Turn:
+    """A session lifecycle record as the replica outbox hands it over: with the snapshot of
+    the local row that a describe, an end or an import carries."""
+    payload = encode_session_op(key, session_id, "ada", time.time(), action, **fields)
+    if snapshot is not None:
+        payload = json.dumps({**json.loads(payload), SNAPSHOT_FIELD: snapshot})
+    return Turn.decode(payload)
+
+
+LIFECYCLE_ROUTES = ("add_messages", "delete_session", "update_session")
+
+
+async def test_lifecycle_records_run_in_their_sessions_order_within_one_write(
+        fake: FakeHoncho, make_backend: MakeBackend) -> None:
+    """In one write, a session's delete and describe run between its turns in commit
+    order: the turn before the delete goes with it, the turns after it are in the session
+    made anew, and the session's metadata is the describe's snapshot of the local row."""
+    backend = make_backend()
+    t0, t1, t2 = (turn("s", n) for n in range(3))
+    snapshot = {"model": "model-9", "end_reason": None}
+    describe = record("s", "desc", "describe", snapshot, fields={"model": "model-9"})
+    await backend.write([t0, record("s", "del", "delete"), t1, describe, t2])
+    assert stored(fake, "s") == expected([t1, t2])
+    assert fake.route_sequence(*LIFECYCLE_ROUTES) == [
+        "add_messages", "delete_session", "add_messages", "update_session", "add_messages"]
+    session = fake.session("s", WORKSPACE)
+    assert session is not None and session["metadata"] == {**snapshot, "session_id": "s"}
+    assert set(session["peers"]) == {backend.assistant, backend.user_peer_name("ada", "s")}
+    assert backend.stats()["turns_written"] == 5
+
+
+async def test_a_metadata_call_that_a_later_one_overwrites_is_not_made(
+        fake: FakeHoncho, make_backend: MakeBackend) -> None:
+    """A session described at each turn start, sent as a backlog: only the last snapshot is
+    sent (the earlier ones would be overwritten in the same write), so the turns before it
+    go in one batch and the turn after it in another; every record counts as written."""
+    backend = make_backend()
+    units: list[Turn] = []
+    for n in range(5):
+        units += [record("s", f"desc-{n}", "describe", {"message_count": 2 * n},
+                         fields={"model": "m"}), turn("s", n)]
+    await backend.write(units)
+    assert stored(fake, "s") == expected(units[1::2])
+    assert fake.route_sequence(*LIFECYCLE_ROUTES) == [
+        "add_messages", "update_session", "add_messages"]
+    session = fake.session("s", WORKSPACE)
+    assert session is not None and session["metadata"]["message_count"] == 8
+    assert backend.stats()["turns_written"] == 10
+
+
+async def test_a_refused_lifecycle_call_fails_its_record_alone_and_the_session_goes_on(
+        fake: FakeHoncho, make_backend: MakeBackend) -> None:
+    """A lifecycle call the server refuses fails that record alone, for good, with the
+    server's reason; the session's later turns are still written. A 404 on a delete is no
+    failure: Honcho does not have the session, as asked."""
+    backend = make_backend()
+    fake.fail("update_session", times=1, status=422, detail="metadata refused")
+    before, after = turn("s", 0), turn("s", 1)
+    describe = record("s", "desc", "describe", {"model": "m"}, fields={"model": "m"})
+    with anyio.fail_after(10), pytest.raises(HonchoWriteError) as info:
+        await backend.write([before, describe, after])
+    (failure,) = info.value.failures
+    assert failure.key == "desc" and failure.permanent and "metadata refused" in failure.reason
+    assert stored(fake, "s") == expected([before, after])
+    await backend.write([record("never-there", "gone", "delete")])
+    assert fake.route_statuses("delete_session") == [404]
+
+
+async def test_a_lifecycle_call_out_of_attempts_holds_back_the_rest_of_its_session(
+        fake: FakeHoncho, make_backend: MakeBackend) -> None:
+    """A delete still failing after max_attempts fails (tried, not for good), and the
+    session's turn behind it is not sent before it: it fails as never attempted. The next
+    write sends both, in order."""
+    backend = make_backend(max_attempts=2)
+    first, later = turn("s", 0), turn("s", 1)
+    await backend.write([first])
+    fake.fail("delete_session", times=2, status=502)
+    delete = record("s", "del", "delete")
+    with anyio.fail_after(10), pytest.raises(HonchoWriteError) as info:
+        await backend.write([delete, later])
+    assert [(f.key, f.permanent, f.attempted) for f in info.value.failures] == [
+        ("del", False, True), (later.key, False, False)]
+    assert stored(fake, "s") == expected([first])
+    await backend.write([delete, later])
+    assert stored(fake, "s") == expected([later])
 
 
 async def test_the_api_key_is_sent_but_never_logged_or_shown(

@@ -17,6 +17,7 @@ import anyio
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.backends import HonchoBackend, HonchoConfig
 from hermes_async_memory.backends.honcho import INDEX_FIELD, KEY_FIELD, honcho_id
+from hermes_async_memory.backends.honcho.mapping import IMPORTED_FIELD
 
 from .fake_honcho import FakeHoncho
 from .helpers import count_rows
@@ -217,3 +218,128 @@ async def test_turns_held_back_by_the_open_circuit_use_up_no_attempts(
     complete = [sid for sid in ("s0", "s1")
                 if on_server(fake, sid) == each_once_in_order(before[sid] + during[sid])]
     assert len(complete) == 1, "the hung call's turns went through, once"
+
+
+# -- session lifecycle -------------------------------------------------------------------
+
+
+def conversation(mem: MemoryPipeline, session_id: str, turns: int) -> list[str]:
+    return [mem.sync_turn(f"question {n} of {session_id}", f"answer {n}", session_id=session_id,
+                          user_id="u1").key for n in range(turns)]
+
+
+async def replicated(mem: MemoryPipeline, records: int, what: str) -> None:
+    """Wait until ``records`` records in all have been written to Honcho (none given up)."""
+    await mem.flush()
+    await eventually(mem, lambda: mem.stats().replicated_turns == records, what)
+    assert mem.stats().replica_dead == 0
+
+
+async def test_describe_end_and_delete_reach_honcho_after_the_sessions_turns(
+    tmp_path: Path, fake: FakeHoncho
+) -> None:
+    """A describe, an end and a delete reach Honcho in their session's order: s1's Honcho
+    metadata becomes its local row (model, source, model config, end and its reason; the
+    system prompt only as its length), s2, whose turns Honcho had, is gone from Honcho with
+    its messages, and s1's turns are there exactly once, in order."""
+    backend = HonchoBackend(honcho_config(fake))
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        keys = {sid: conversation(mem, sid, 3) for sid in ("s1", "s2")}
+        await replicated(mem, 6, "the turns replicated")
+        assert on_server(fake, "s2") == each_once_in_order(keys["s2"]), "Honcho has s2"
+        mem.sessions.describe_nowait("s1", source="cli", model="model-7",
+                                     model_config={"temperature": 0.2},
+                                     system_prompt="Be brief. " * 500)
+        mem.sessions.end_nowait("s1", "user_exit")
+        mem.sessions.delete_nowait("s2")
+        await replicated(mem, 9, "the lifecycle records replicated")
+        local = await mem.sessions.get_session("s1")
+    assert local is not None
+    s1 = fake.session(honcho_id("s1"), WORKSPACE)
+    assert s1 is not None
+    md = s1["metadata"]
+    assert (md["session_id"], md["source"], md["model"], md["user_id"]) == (
+        "s1", "cli", "model-7", "u1")
+    assert md["model_config"] == {"temperature": 0.2}
+    assert (md["ended_at"], md["end_reason"]) == (local.ended_at, "user_exit")
+    assert md["message_count"] == 6 and md["started_at"] == local.started_at
+    assert "system_prompt" not in md and md["system_prompt_chars"] == 5000
+    assert fake.session(honcho_id("s2"), WORKSPACE) is None, "the delete reached Honcho"
+    assert fake.session_messages(honcho_id("s2")) == [], "its messages went with it"
+    assert on_server(fake, "s1") == each_once_in_order(keys["s1"])
+    assert count_rows(tmp_path / "memory.db", "SELECT count(*) FROM replica_outbox") == 0
+
+
+async def test_a_turn_after_a_delete_starts_the_honcho_session_anew(
+    tmp_path: Path, fake: FakeHoncho
+) -> None:
+    """A delete reaches Honcho before the session's turn accepted after it: Honcho ends up
+    with the new turn alone in the session (its peers set up again), neither the old turns
+    nor an empty session. (test_honcho_backend checks the order within one write.)"""
+    backend = HonchoBackend(honcho_config(fake))
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        conversation(mem, "s", 2)
+        await replicated(mem, 2, "the first turns replicated")
+        mem.sessions.delete_nowait("s")
+        later = mem.sync_turn("a new start", "welcome back", session_id="s", user_id="u1").key
+        await replicated(mem, 4, "the delete and the later turn replicated")
+    assert on_server(fake, "s") == each_once_in_order([later])
+    s = fake.session(honcho_id("s"), WORKSPACE)
+    assert s is not None and set(s["peers"]) == {backend.assistant,
+                                                 backend.user_peer_name("u1", "s")}
+
+
+async def test_an_imported_session_reaches_honcho_once_however_often_it_is_imported(
+    tmp_path: Path, fake: FakeHoncho
+) -> None:
+    """An imported session's messages reach Honcho exactly once, in order, each with the
+    key of the turn it was part of, and its metadata with them: importing the file again
+    changes nothing, and importing it after a local delete replaces Honcho's copy (the
+    delete reaches Honcho first) rather than adding a second one."""
+    async with MemoryPipeline(Settings(db_path=tmp_path / "source.db")) as source:
+        keys = conversation(source, "imp", 4)
+        source.sessions.describe_nowait("imp", model="model-3")
+        source.sessions.end_nowait("imp", "done")
+        await source.flush()
+        lines = [line async for line in source.sessions.export(session_id="imp")]
+    expected = [(k, text) for n, k in enumerate(keys)
+                for text in (f"question {n} of imp", f"answer {n}")]
+
+    def on_honcho() -> list[tuple[str, str]]:
+        return [(m["metadata"][IMPORTED_FIELD], m["content"])
+                for m in fake.session_messages(honcho_id("imp"), WORKSPACE)]
+
+    backend = HonchoBackend(honcho_config(fake))
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        first = await mem.sessions.import_lines(lines)
+        again = await mem.sessions.import_lines(lines)
+        assert (first.imported, again.imported, again.skipped) == (1, 0, 1)
+        await replicated(mem, 1, "the import replicated")
+        assert on_honcho() == expected
+        mem.sessions.delete_nowait("imp")
+        await mem.flush()
+        assert (await mem.sessions.import_lines(lines)).imported == 1
+        await replicated(mem, 3, "the delete and the import again replicated")
+    assert on_honcho() == expected
+    s = fake.session(honcho_id("imp"), WORKSPACE)
+    assert s is not None
+    assert (s["metadata"]["model"], s["metadata"]["end_reason"]) == ("model-3", "done")
+
+
+async def test_a_delete_that_meets_a_500_is_retried_and_lands_once(
+    tmp_path: Path, fake: FakeHoncho
+) -> None:
+    """A server error on the delete is retried, not given up: the session is deleted on
+    Honcho by exactly one successful call after the failed one (no second delete, no dead
+    letter), and its messages are gone."""
+    backend = HonchoBackend(honcho_config(fake))
+    async with MemoryPipeline(settings(tmp_path), backend) as mem:
+        conversation(mem, "s", 2)
+        await replicated(mem, 2, "the turns replicated")
+        fake.fail("delete_session", times=1, status=500)
+        mem.sessions.delete_nowait("s")
+        await replicated(mem, 3, "the delete replicated")
+    assert fake.route_statuses("delete_session") == [500, 200]
+    assert fake.session(honcho_id("s"), WORKSPACE) is None
+    assert fake.session_messages(honcho_id("s")) == []
+    assert backend.stats()["retries"] == 1

@@ -9,8 +9,10 @@ an HTTP server.)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -22,6 +24,8 @@ from hermes_async_memory.backends.base import (
     RecallRequest,
     TurnFailure,
 )
+from hermes_async_memory.ops import encode_session_op, parse_session_record
+from hermes_async_memory.store import SqliteStore
 from hermes_async_memory.turns import Turn
 
 from .helpers import count_rows
@@ -292,3 +296,57 @@ async def test_two_sessions_of_one_user_get_their_own_backend_recall(tmp_path: P
         await eventually(mem, lambda: "context of b" in mem.prefetch("", session_id="b",
                                                                         user_id="u"), "b's own")
         assert "context of a" in mem.prefetch("", session_id="a", user_id="u")
+
+
+# -- session lifecycle records -------------------------------------------------------------
+
+
+def _turn(key: str, session_id: str) -> Turn:
+    return Turn.build(key=key, session_id=session_id, user_id="u", accepted_at=time.time(),
+                      messages=[("user", f"hello from {key}", None, None, None),
+                                ("assistant", "hi", None, None, None)], metadata=None)
+
+
+def _event(key: str, session_id: str, action: str, **fields: Any) -> Turn:
+    return Turn.decode(encode_session_op(key, session_id, "u", time.time(), action, **fields))
+
+
+def _imported(key: str, session_id: str, started_at: float) -> Turn:
+    message = [1_000_000, "old-turn", 0, "user", "imported hello", None, None, None, started_at,
+               "u", None, None]
+    row = {"source": "cli", "user_id": "u", "started_at": started_at, "updated_at": started_at}
+    return _event(key, session_id, "import", row=row, messages=[message], started_at=started_at)
+
+
+async def test_lifecycle_records_wait_for_the_backend_when_they_changed_their_session(
+    tmp_path: Path
+) -> None:
+    """Each lifecycle record that changed its session waits for the replica backend in the
+    session's lane, in commit order: a describe with the session's row as it left it; a
+    delete committed with the session's unsent turn keeps its own row (the turn's goes with
+    the session); an import that inserted its session, once. A prune that kept its session
+    and an import that inserted nothing queue nothing: the backend must not undo or repeat
+    what the store did not do."""
+    store = SqliteStore(tmp_path / "m.db")
+    await store.open()
+    try:
+        store.replica = "scripted"
+        await store.commit([_turn("t1", "s1")])
+        await store.commit([_event("describe", "s1", "describe", fields={"model": "m-2"})])
+        # Prune's form: s1 has not ended, so it stays, and Honcho must keep it too.
+        await store.commit([_event("prune", "s1", "delete", ended_before=time.time() + 60)])
+        await store.commit([_turn("t2", "s2"), _event("delete", "s2", "delete")])
+        await store.commit([_imported("import", "s3", 1000.0)])
+        await store.commit([_imported("import-again", "s3", 1000.0)])  # already there
+        await store.commit([_imported("import-other", "s1", 1000.0)])  # another s1 is there
+        rows = await store.replica_pending("scripted", 10, 10)
+    finally:
+        await store.aclose()
+    assert [(r.turn_key, r.session_id) for r in rows] == [
+        ("t1", "s1"), ("describe", "s1"), ("delete", "s2"), ("import", "s3")]
+    describe = parse_session_record(rows[1].payload or "")
+    assert describe is not None and describe.snapshot is not None
+    assert (describe.snapshot["model"], describe.snapshot["message_count"]) == ("m-2", 2)
+    imported = parse_session_record(rows[3].payload or "")
+    assert imported is not None and imported.snapshot is not None
+    assert (imported.snapshot["source"], imported.snapshot["started_at"]) == ("cli", 1000.0)

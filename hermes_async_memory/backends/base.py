@@ -72,6 +72,11 @@ class Backend(abc.ABC):
     async def write(self, turns: Sequence[Turn], *, maybe_sent: bool = False) -> None:
         """Replicate committed turns, in order per session, each exactly once.
 
+        Records of other kinds come the same way (``Turn.kind``): a session's lifecycle
+        events (``ops.OP_SESSION``: describe, end, delete, import) whenever the store has a
+        replica, in the session's order; key-value writes when the backend mirrors
+        key-value memory. A backend that keeps no such thing takes them as written.
+
         ``maybe_sent``: some of these turns may have reached the backend before (a retry
         whose outcome was unknown, a restart, a dead-letter replay); send only what it lacks.
 

@@ -227,7 +227,8 @@ class Batch:
         """What the batch's transaction runs after inserting its messages: the replica
         outbox rows, the FTS index, the sessions, and the outbox keys marked 'done'; then
         the key-value records (with replica rows of their own when ``replica_kv``) and the
-        session lifecycle events, in batch order, and their keys marked 'done'."""
+        session lifecycle events (with replica rows of their own whenever there is a
+        ``replica``), in batch order, and their keys marked 'done'."""
         # The batch's messages are the last n_messages rows once inserted: ids are
         # consecutive inside the transaction.
         start = f"((SELECT max(id) FROM messages) - {int(self.n_messages)})"
@@ -248,7 +249,7 @@ class Batch:
                 script += op_statements(kv, replica if replica_kv else None)
             lifecycle = [t for t in self.ops if t.kind == OP_SESSION]
             if lifecycle:
-                script += session_statements(lifecycle, self.source)
+                script += session_statements(lifecycle, self.source, replica)
             script.append(ops_done(self.ops, now_sql))
         return script
 

@@ -15,6 +15,14 @@ after the messages of every turn that came before, and before any that came afte
   has ended, ended and was last updated before the cut-off, and no other process has a turn of
   it waiting in the shared inbox. A pending turn accepted before the prune committed first and
   made the session recent: it stays.
+
+With a replica backend (``Connections.replica``), an event that changed the session also waits
+for that backend: a ``replica_outbox`` row in the session's lane carrying the event's record,
+inserted after the event's own statements (a delete's after it removed the session's waiting
+rows, so that it survives them). The backend gets it after the session's earlier turns and
+before its later ones. A describe, end or import also carries ``ops.SNAPSHOT_FIELD``: the
+session's row as the event left it, taken in the same transaction (``SNAPSHOT``). A prune
+that left its session in place, and an import that inserted nothing, send nothing.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import json
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from ..ops import SessionOp, parse_session
+from ..ops import SNAPSHOT_FIELD, SessionOp, parse_session
 from ..turns import Turn, scope_tokens
 from .connections import Connections
 from .sql import KEY_CHUNK, SESSION_MESSAGES, decode_message, fetch_dicts, sql_literal
@@ -68,6 +76,38 @@ DELETE FROM replica_outbox WHERE session_id = {id} AND {condition};
 DELETE FROM sessions WHERE id = {id} AND {condition};
 """
 
+# An event waits for the replica backend: its record (``payload``, an SQL expression) in its
+# session's lane, if ``condition`` holds once the event's statements before it have run.
+INSERT_EVENT_REPLICA = """
+INSERT INTO replica_outbox (backend, turn_key, session_id, first_id, n_messages, payload)
+SELECT {backend}, {key}, {id}, 0, 0, {payload} WHERE {condition}
+ON CONFLICT (backend, turn_key) DO NOTHING;
+"""
+# The record with the session's row as it is now (null when there is none). Not the system
+# prompt: it can be tens of kilobytes, a backend's copy of the row is rewritten whole at every
+# event, and the local store keeps it; its length says whether there is one. NUL is dropped
+# from the text a turn's metadata may have set: the record is read back with
+# ``ops.parse_session``, which refuses it. A model config that is not JSON goes as text. Times
+# go with 17 digits, so that they read back as the same floats (SQLite's JSON writes 15).
+SNAPSHOT = """json_set({payload}, '$.""" + SNAPSHOT_FIELD + """', json((
+    SELECT json_object(
+        'source', replace(source, char(0), ''), 'user_id', user_id,
+        'model', replace(model, char(0), ''), 'parent_session_id', parent_session_id,
+        'started_at', json(printf('%!.17g', started_at)),
+        'ended_at', CASE WHEN ended_at IS NOT NULL THEN json(printf('%!.17g', ended_at)) END,
+        'end_reason', replace(end_reason, char(0), ''),
+        'model_config', CASE WHEN json_valid(model_config) THEN json(model_config)
+                             ELSE replace(model_config, char(0), '') END,
+        'system_prompt_chars', length(system_prompt), 'message_count', message_count,
+        'tool_call_count', tool_call_count, 'input_tokens', input_tokens,
+        'output_tokens', output_tokens,
+        'tokens_estimated', json(CASE WHEN tokens_estimated THEN 'true' ELSE 'false' END))
+    FROM sessions WHERE id = {id})))"""
+# A delete is sent once the session is gone (prune's form may have left it in place).
+DELETED = "NOT EXISTS (SELECT 1 FROM sessions WHERE id = {id})"
+# An import part without messages (a session that had none) is sent when the session is the
+# exported one; sent twice, it only sets the same metadata again.
+IMPORTED_ROW = "EXISTS (SELECT 1 FROM sessions WHERE id = {id} AND started_at = {started})"
 
 # An imported session: its exported row goes in as it was, if the session is not there; each
 # part of its messages goes in if the session is the exported one (same start) and the part's
@@ -118,14 +158,21 @@ DELETE FROM temp.import_fresh;
 """
 
 
-def session_statements(ops: Sequence[Turn], default_source: str) -> list[str]:
+def session_statements(ops: Sequence[Turn], default_source: str,
+                       replica: str | None = None) -> list[str]:
     """The statements that apply lifecycle events ``ops``, in order, for a batch's
-    transaction (their outbox keys are marked done with the batch's other operations)."""
+    transaction (their outbox keys are marked done with the batch's other operations); with
+    ``replica``, each event that changed its session also waits for that backend."""
     script = []
     for t in ops:
         op = parse_session(json.loads(t.payload), t.payload)
-        script.append(_statement(op, default_source))
-    return script
+        waits = "" if replica is None else _replica_row(op, t.payload, replica)
+        if op.action == "import":
+            # Between the row and the messages: whether the messages go in is known there.
+            script += [_import_row(op, default_source), waits, _import_messages(op)]
+        else:
+            script += [_statement(op, default_source), waits]
+    return [s for s in script if s]
 
 
 def _statement(op: SessionOp, default_source: str) -> str:
@@ -140,8 +187,6 @@ def _statement(op: SessionOp, default_source: str) -> str:
             model_config="NULL" if config is None else sql_literal(_JSON.encode(config)),
             system_prompt=_text(f.get("system_prompt")),
             estimated=int(bool(f.get("tokens_estimated"))))
-    if op.action == "import":
-        return _import(op, default_source)
     if op.action == "end":
         return END.format(id=sid, at=at, default_source=sql_literal(default_source),
                           user=_text(op.user_id), reason=_text(op.reason))
@@ -154,21 +199,47 @@ def _statement(op: SessionOp, default_source: str) -> str:
     return DELETE.format(id=sid, condition=condition)
 
 
-def _import(op: SessionOp, default_source: str) -> str:
-    sid, messages = sql_literal(op.session_id), op.messages or []
-    script = ""
-    if op.row is not None:
-        script += IMPORT_ROW.format(id=sid, row=sql_literal(_JSON.encode(op.row)),
-                                    default_source=sql_literal(default_source),
-                                    at=repr(op.accepted_at))
-    if messages:
-        new = IMPORT_NEW.format(id=sid, started=repr(op.started_at),
-                                first_turn=sql_literal(str(messages[0][1])))
-        rows = sql_literal(_JSON.encode(messages))
-        script += IMPORT_MESSAGES.format(
-            rows=rows, new=new, free=IMPORT_IDS_FREE.format(rows=rows), n=len(messages),
-            scope=sql_literal(scope_tokens(op.user_id, op.session_id)), id=sid)
-    return script
+def _replica_row(op: SessionOp, payload: str, backend: str) -> str:
+    """The statement that queues the event ``op`` (its record: ``payload``) for ``backend``,
+    if it changed its session: see the module doc."""
+    sid, record = sql_literal(op.session_id), sql_literal(payload)
+    condition = "true"
+    if op.action == "delete":
+        condition = DELETED.format(id=sid)
+    elif op.action == "import":
+        condition = (_import_new(op) if op.messages
+                     else IMPORTED_ROW.format(id=sid, started=repr(op.started_at)))
+    if op.action != "delete":
+        record = SNAPSHOT.format(payload=record, id=sid)
+    return INSERT_EVENT_REPLICA.format(backend=sql_literal(backend),
+                                       key=sql_literal(op.record_key), id=sid, payload=record,
+                                       condition=condition)
+
+
+def _import_row(op: SessionOp, default_source: str) -> str:
+    if op.row is None:
+        return ""
+    return IMPORT_ROW.format(id=sql_literal(op.session_id), row=sql_literal(_JSON.encode(op.row)),
+                             default_source=sql_literal(default_source),
+                             at=repr(op.accepted_at))
+
+
+def _import_new(op: SessionOp) -> str:
+    """Whether the import part ``op`` (with messages) inserts them: checked before it does."""
+    messages = op.messages or []
+    return IMPORT_NEW.format(id=sql_literal(op.session_id), started=repr(op.started_at),
+                             first_turn=sql_literal(str(messages[0][1])))
+
+
+def _import_messages(op: SessionOp) -> str:
+    messages = op.messages or []
+    if not messages:
+        return ""
+    rows = sql_literal(_JSON.encode(messages))
+    return IMPORT_MESSAGES.format(
+        rows=rows, new=_import_new(op), free=IMPORT_IDS_FREE.format(rows=rows), n=len(messages),
+        scope=sql_literal(scope_tokens(op.user_id, op.session_id)),
+        id=sql_literal(op.session_id))
 
 
 def _text(value: object) -> str:

@@ -37,7 +37,7 @@ class ReplicaRow(NamedTuple):
     n_messages: int
     attempts: int
     tried: bool = False  # a write of it failed before (counted or not)
-    payload: str | None = None  # a key-value record, sent as written (no message rows)
+    payload: str | None = None  # an operation's record (key-value, lifecycle): no messages
 
 
 class ReplicaOutbox(Connections):
@@ -72,7 +72,8 @@ class ReplicaOutbox(Connections):
     async def replica_turns(self, rows: Sequence[ReplicaRow]) -> list[Turn]:
         """The committed turns behind replica rows, rebuilt from their messages, in order;
         each turn's ``seq`` is its replica row. A turn whose messages are gone is left out.
-        A key-value record comes back as written (``Turn.kind`` says which it is)."""
+        An operation (a key-value write, a session lifecycle event) comes back as its row
+        holds it (``Turn.kind`` says which it is)."""
         if not rows:
             return []
         records = {r.turn_key: Turn.decode(r.payload, seq=r.id)

@@ -124,7 +124,7 @@ CREATE TABLE IF NOT EXISTS replica_outbox (
     attempts INTEGER NOT NULL DEFAULT 0,
     last_error TEXT,
     updated_at REAL,
-    payload TEXT,  -- a key-value record's own JSON (a turn's is rebuilt from its messages)
+    payload TEXT,  -- an operation's own record (a turn's is rebuilt from its messages)
     UNIQUE (backend, turn_key)
 );
 CREATE INDEX IF NOT EXISTS idx_replica_outbox_open ON replica_outbox(backend, status, id);

@@ -4,7 +4,8 @@ The local SQLite store stays the system of record; this backend copies committed
 Honcho and may answer recalls from it. One module per concern, in the order a turn meets them:
 
 - ``config``: ``HonchoConfig``, where the server is and how to talk to it (``HONCHO_*``);
-- ``mapping``: local sessions, users and turns as Honcho ids, peers and tagged messages;
+- ``mapping``: local sessions, users and turns as Honcho ids, peers and tagged messages, and
+  session lifecycle records as what they do to a Honcho session (metadata, delete);
 - ``breaker``: the circuit breaker in front of every call;
 - ``client``: the SDK client; every call through the breaker, its errors sorted into
   retry or give up, retries with backoff (``Retry-After`` honoured);

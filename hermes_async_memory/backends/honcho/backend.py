@@ -115,6 +115,10 @@ class HonchoBackend(Backend):
     async def write(self, turns: Sequence[Turn], *, maybe_sent: bool = False) -> None:
         """Replicate committed turns, in order per session, each exactly once.
 
+        Session lifecycle records set the Honcho session's metadata to the local row
+        (describe, end), delete the Honcho session (delete), or add the imported messages
+        (import), in the session's order (see ``replication``).
+
         ``maybe_sent=True`` says some of these turns may have reached Honcho before (a replay
         after a crash, or of dead letters): the session's messages are then listed first and
         only what is missing is sent.

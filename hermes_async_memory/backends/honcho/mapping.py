@@ -13,16 +13,25 @@ session of that user's own, in write order, with the typed metadata ``MEMORY_FIE
 (``{"op": "put" | "delete", "key", "metadata", "at"}``); a put's content is the value, a
 delete's is a line that says so (Honcho cannot remove one message). The memory session's id
 is the user's lane rewritten (see ``honcho_id``), so it can never be a conversation's.
+
+Session lifecycle records (``ops.OP_SESSION``) become an ``Action`` on the session besides
+messages: a describe or an end sets the session's metadata to the snapshot of the local row
+the record carries (``session_metadata``; the local store is the system of record, so the
+whole metadata is replaced, and sending it twice changes nothing); a delete deletes the
+Honcho session, and with it its messages; an import adds the imported messages, tagged with
+the import record's key and their index in it as a turn's are, then sets the metadata.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import json
 import re
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from ...ops import parse_record
+from ...ops import OP_SESSION, SessionOp, parse_record, parse_session_record
 from ...turns import Turn
 from .client import sdk
 from .config import HonchoConfig
@@ -39,6 +48,9 @@ KEY_FIELD = "turn_key"  # the turn's idempotency key
 INDEX_FIELD = "turn_msg"  # the message's index within its turn (0, 1, ...)
 USER_FIELD = "user_peer"  # the user peer of the turn: what a "search" recall filters on
 MEMORY_FIELD = "hermes_memory"  # a key-value write: {"op", "key", "metadata", "at"}
+IMPORTED_FIELD = "imported_turn"  # an imported message: the key of the turn it was part of
+# Session metadata field this backend writes besides the local row's snapshot.
+SESSION_ID_FIELD = "session_id"  # the local session id (the Honcho id may be rewritten)
 
 
 def honcho_id(raw: str) -> str:
@@ -66,11 +78,25 @@ class Msg(NamedTuple):
     params: Any  # honcho MessageCreateParams
 
 
+class Action(NamedTuple):
+    """What a session lifecycle record does to its Honcho session after its messages."""
+
+    delete: bool = False  # delete the session (its messages go with it)
+    metadata: dict[str, object] | None = None  # else: set the session's metadata to this
+
+
 class Unit(NamedTuple):
-    """One turn as the messages it becomes."""
+    """One turn (or record) as the messages it becomes, and what it does besides."""
 
     turn: Turn
     msgs: list[Msg]
+    action: Action | None = None
+
+
+def session_metadata(session_id: str, snapshot: dict[str, Any]) -> dict[str, object]:
+    """The Honcho metadata of a session: the snapshot of its local row (see
+    ``store.lifecycle.SNAPSHOT``) and its local id."""
+    return {**snapshot, SESSION_ID_FIELD: session_id}
 
 
 class Mapper:
@@ -93,35 +119,78 @@ class Mapper:
 
     def unit(self, turn: Turn) -> Unit:
         """The Honcho messages of one turn, each tagged with the turn's key and its index."""
-        honcho = sdk()
+        if turn.kind == OP_SESSION:
+            return self._session_unit(turn)
         user_peer = self.user_peer_name(turn.user_id, turn.session_id)
         created = dt.datetime.fromtimestamp(turn.accepted_at, tz=dt.timezone.utc)
         if turn.kind != "turn":
             return Unit(turn, self._memory_msgs(turn, user_peer, created))
-        step = self.config.max_message_chars
         msgs: list[Msg] = []
         for ordinal, m in enumerate(turn.messages):
-            role, content, calls_json, call_id, tool_name = m[:5]
-            parts = [content[i:i + step] for i in range(0, len(content), step)] or [""]
-            for p, part in enumerate(parts):
-                index = len(msgs)
-                md: dict[str, object] = {KEY_FIELD: turn.key, INDEX_FIELD: index, "role": role,
-                                         "ordinal": ordinal, USER_FIELD: user_peer}
-                if len(parts) > 1:
-                    md["part"], md["parts"] = p, len(parts)
-                if calls_json and p == 0:
-                    md["tool_calls"] = calls_json
-                if call_id:
-                    md["tool_call_id"] = call_id
-                if tool_name:
-                    md["tool_name"] = tool_name
-                if len(m) > 5 and p == 0:
-                    md["token_count"] = m[5]
-                params = honcho.MessageCreateParams(
-                    content=part, peer_id=user_peer if role == "user" else self.assistant,
-                    metadata=md, created_at=created)
-                msgs.append(Msg(turn.key, index, params))
+            msgs += self._message(turn.key, len(msgs), m, ordinal, user_peer, created, {})
         return Unit(turn, msgs)
+
+    def _message(self, key: str, first: int, m: Sequence[Any], ordinal: int, user_peer: str,
+                 created: dt.datetime, extra: dict[str, object]) -> list[Msg]:
+        """One stored message (role, content, tool calls, call id, tool name[, token count])
+        as Honcho messages numbered from ``first``: more than one when its content is longer
+        than a message may be."""
+        honcho = sdk()
+        role, content, calls_json, call_id, tool_name = m[:5]
+        step = self.config.max_message_chars
+        parts = [content[i:i + step] for i in range(0, len(content), step)] or [""]
+        msgs = []
+        for p, part in enumerate(parts):
+            index = first + p
+            md: dict[str, object] = {KEY_FIELD: key, INDEX_FIELD: index, "role": role,
+                                     "ordinal": ordinal, USER_FIELD: user_peer, **extra}
+            if len(parts) > 1:
+                md["part"], md["parts"] = p, len(parts)
+            if calls_json and p == 0:
+                md["tool_calls"] = calls_json
+            if call_id:
+                md["tool_call_id"] = call_id
+            if tool_name:
+                md["tool_name"] = tool_name
+            if len(m) > 5 and m[5] is not None and p == 0:
+                md["token_count"] = m[5]
+            params = honcho.MessageCreateParams(
+                content=part, peer_id=user_peer if role == "user" else self.assistant,
+                metadata=md, created_at=created)
+            msgs.append(Msg(key, index, params))
+        return msgs
+
+    def _session_unit(self, turn: Turn) -> Unit:
+        """A lifecycle record as what it does to its Honcho session (see the module doc)."""
+        op = parse_session_record(turn.payload)
+        if op is None:
+            raise ValueError(f"record {turn.key} is not a session lifecycle event")
+        if op.action == "delete":
+            return Unit(turn, [], Action(delete=True))
+        msgs = self._imported_msgs(op, turn) if op.action == "import" else []
+        if op.snapshot is None:  # no local row to mirror (an older record): messages only
+            return Unit(turn, msgs)
+        return Unit(turn, msgs, Action(metadata=session_metadata(op.session_id, op.snapshot)))
+
+    def _imported_msgs(self, op: SessionOp, turn: Turn) -> list[Msg]:
+        """An import part's messages, tagged with the record's key and their index in it,
+        and with the key of the turn each was part of (``IMPORTED_FIELD``)."""
+        msgs: list[Msg] = []
+        for m in op.messages or []:
+            turn_key, ordinal, role, content, calls, call_id, tool_name, at, user = m[1:10]
+            if calls is not None and not isinstance(calls, str):
+                calls = json.dumps(calls)
+            if not isinstance(at, (int, float)) or isinstance(at, bool):
+                at = turn.accepted_at
+            created = dt.datetime.fromtimestamp(at, tz=dt.timezone.utc)
+            peer = self.user_peer_name(user if isinstance(user, str) else op.user_id,
+                                       op.session_id)
+            row = (str(role), content if isinstance(content, str) else "", calls, call_id,
+                   tool_name, m[11])
+            msgs += self._message(op.record_key, len(msgs), row,
+                                  ordinal if isinstance(ordinal, int) else 0, peer, created,
+                                  {IMPORTED_FIELD: turn_key})
+        return msgs
 
     def _memory_msgs(self, turn: Turn, user_peer: str, created: dt.datetime) -> list[Msg]:
         """A key-value write as a message in the user's memory session (a value longer

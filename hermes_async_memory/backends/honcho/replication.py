@@ -19,6 +19,16 @@ in that call fail (so nothing is written out of order). Either way ``write`` rai
 ``HonchoWriteError`` naming each failed turn, why, whether retrying the same turn can help,
 and whether it was sent at all: the turns behind a failed batch, and those the open circuit
 held back, were not (``TurnFailure.attempted``), so their failure uses up none of their attempts.
+
+Session lifecycle records. A describe, end, delete or import (``mapping.Action``) runs in its
+session's order: after the messages of the session's turns before it in the same write, and
+before those after it (a metadata call that a later call of the same write overwrites is not
+made). Its call (``set_metadata``, ``delete_session``) goes through the same breaker and
+retries as a batch, and may be repeated: setting the same metadata again changes nothing, and
+deleting a session Honcho does not have (a 404: never created there, or deleted by an earlier
+send whose answer was lost) counts as done. One the server refuses is that record's failure
+alone; one still failing after ``max_attempts`` also holds back the rest of its session, as a
+batch does.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from .client import (
     sdk,
 )
 from .config import HonchoConfig
-from .mapping import INDEX_FIELD, KEY_FIELD, Mapper, Msg, Unit
+from .mapping import INDEX_FIELD, KEY_FIELD, Action, Mapper, Msg, Unit
 
 log = structlog.get_logger(__name__)
 
@@ -98,6 +108,9 @@ class _LRU:
         self._data.move_to_end(key)
         while len(self._data) > self._size:
             self._data.popitem(last=False)
+
+    def discard(self, key: str) -> None:
+        self._data.pop(key, None)
 
 
 class SessionWriter:
@@ -181,7 +194,28 @@ class SessionWriter:
         honcho_sdk = sdk()
         name = self.mapper.session_name(session_id)
         session = honcho_sdk.Session(name, self.client.honcho())
-        units = [self.mapper.unit(t) for t in turns]
+        runs = _runs(_superseded([self.mapper.unit(t) for t in turns]))
+        for i, run in enumerate(runs):
+            failed = await self._write_run(session, name, run, outcome, maybe_sent)
+            last = run[-1]
+            if failed is None and last.action is not None and last.turn.key not in outcome.failed:
+                failed = await self._act(session, last, last.action, outcome)
+            if failed is not None:
+                # The session stops here: its later records wait for the next write, in order.
+                rest = [last.turn] if last.action is not None else []
+                rest += [u.turn for r in runs[i + 1:] for u in r]
+                outcome.fail(rest, f"not attempted after an earlier call of this session "
+                             f"failed: {failed.reason}", permanent=False, attempted=False)
+                return
+
+    async def _write_run(self, session: Any, name: str, units: list[Unit], outcome: _Outcome,
+                         maybe_sent: bool) -> CallFailed | None:
+        """The messages of ``units``, in order; the failure that stops the session, if one
+        did (the units it kept from being sent have failed, not attempted)."""
+        turns = [u.turn for u in units]
+        if not any(u.msgs for u in units):
+            outcome.written += sum(1 for u in units if u.action is None)
+            return None
         try:
             await self._ensure_ready()
             await self._ensure_session(session, {m.params.peer_id for u in units
@@ -195,8 +229,9 @@ class SessionWriter:
             self._note_failure(name, turns, f)
             outcome.fail(head, f.reason, permanent=f.permanent, attempted=f.sent)
             outcome.fail(turns, f.reason, permanent=f.permanent, attempted=False)
-            return
-        outcome.written += sum(1 for u in units if not u.msgs)  # all on the server already
+            return f
+        # All on the server already (a record's action is counted once it has run).
+        outcome.written += sum(1 for u in units if not u.msgs and u.action is None)
         queue = deque(self._groups(units))
         while queue:
             group = queue.popleft()
@@ -217,8 +252,46 @@ class SessionWriter:
                 # Unreachable: the session's later turns wait for the next write, in order.
                 outcome.fail(rest, f"not attempted after an earlier batch of this session "
                              f"failed: {f.reason}", permanent=False, attempted=False)
-                return
-            outcome.written += len(group)
+                return f
+            outcome.written += sum(1 for u in group if u.action is None)
+        return None
+
+    async def _act(self, session: Any, unit: Unit, action: Action, outcome: _Outcome
+                   ) -> CallFailed | None:
+        """A lifecycle record's call (retried); the failure that stops the session, if any:
+        one the server refused is the record's alone."""
+        try:
+            if action.delete:
+                await self._delete(session)
+            else:
+                await self.client.call("set_metadata", functools.partial(
+                    session.aio.set_metadata, action.metadata))
+        except CallFailed as f:
+            self._note_failure(session.id, [unit.turn], f)
+            outcome.fail([unit.turn], f.reason, permanent=f.permanent, attempted=f.sent)
+            return None if f.permanent else f
+        outcome.written += 1
+        return None
+
+    async def _delete(self, session: Any) -> None:
+        """Delete the Honcho session (its messages go with it); one it does not have counts
+        as deleted.
+
+        Raises:
+            CallFailed: as ``HonchoClient.call``.
+        """
+        not_found = sdk().NotFoundError
+
+        async def delete() -> None:
+            try:
+                await session.aio.delete()
+            except not_found:
+                pass  # never created there, or deleted by a send whose answer was lost
+
+        try:
+            await self.client.call("delete_session", delete)
+        finally:
+            self._sessions.discard(session.id)  # a later turn makes it anew, with its peers
 
     def _note_failure(self, session: str, turns: Sequence[Turn], f: CallFailed) -> None:
         log.warning("honcho_batch_failed", session=session, turns=len(turns), reason=f.reason,
@@ -309,7 +382,7 @@ class SessionWriter:
 
     async def _without_present(self, session: Any, units: list[Unit]) -> list[Unit]:
         """The units with the messages the server already holds taken out (retried)."""
-        keys = sorted({u.turn.key for u in units})
+        keys = sorted({u.turn.key for u in units if u.msgs})
         present = await self.client.retrying("list_messages",
                                        functools.partial(self._present, session, keys))
         if not present:
@@ -318,7 +391,7 @@ class SessionWriter:
         for u in units:
             msgs = [m for m in u.msgs if (m.key, m.pos) not in present]
             self.counts["resend_skipped"] += len(u.msgs) - len(msgs)
-            kept.append(Unit(u.turn, msgs))
+            kept.append(u._replace(msgs=msgs))
         return kept
 
     async def _ensure_ready(self) -> None:
@@ -355,3 +428,30 @@ class SessionWriter:
             await self.client.call("add_peers", lambda: session.aio.add_peers(added))
             known.update(new)
 
+
+def _superseded(units: list[Unit]) -> list[Unit]:
+    """A session's ``units`` with no metadata call that a later call of theirs overwrites
+    (a later snapshot, or the delete): its record counts as written with nothing sent. A host
+    that describes its session at each turn start then costs one metadata call per write, not
+    one per turn, and a backlog still goes out in batches. (Should the later call be refused
+    for good, the dropped snapshot is lost with it: its dead letter, replayed, sends a newer.)"""
+    out: list[Unit] = []
+    later = False
+    for u in reversed(units):
+        if later and not u.msgs and u.action is not None and not u.action.delete:
+            u = u._replace(action=None)
+        later = later or u.action is not None
+        out.append(u)
+    out.reverse()
+    return out
+
+
+def _runs(units: list[Unit]) -> list[list[Unit]]:
+    """``units`` cut after each one with an action: its call runs after the messages before
+    it, and before those after it."""
+    runs: list[list[Unit]] = [[]]
+    for u in units:
+        runs[-1].append(u)
+        if u.action is not None:
+            runs.append([])
+    return [r for r in runs if r]
