@@ -268,3 +268,19 @@ async def test_a_bad_import_line_is_refused_with_its_line_number(
     with pytest.raises(InvalidImportError, match=message):
         await import_sessions(mem, [line])
     assert await exported(mem) == []
+
+
+async def test_a_delete_committed_beside_a_turn_holding_nul_still_lands(
+        mem: MemoryPipeline) -> None:
+    """A batch holding text with U+0000 binds its rows one statement at a time; a lifecycle
+    event in that batch holds several statements, and must still apply, and the turn commit,
+    in that one transaction."""
+    mem.sync_turn("first", "ok", session_id="gone", user_id="ann")
+    await mem.flush()
+    # On the loop thread with no await between: the writer takes both in one batch.
+    mem.sync_turn("a\x00b", "kept", session_id="nul", user_id="ann")
+    SessionWrites(mem).delete_nowait("gone")
+    await mem.flush()
+    assert mem.stats().dead_letters == 0
+    assert await mem.sessions.get_session("gone") is None
+    assert [m["content"] for m in await mem.sessions.messages("nul")] == ["a\x00b", "kept"]

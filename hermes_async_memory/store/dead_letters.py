@@ -11,6 +11,7 @@ from ..errors import StoreError
 from ..turns import TURN, Turn
 from .batch import INSERT_MESSAGE_ROW, Batch
 from .connections import Connections, rollback
+from .sql import single_statements
 
 _INSERT_DEAD = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, last_error, payload,
@@ -101,9 +102,10 @@ class DeadLetters(Connections):
                 # Bound row by row, as commit_batch does for text with NUL: one turn, and
                 # inside a transaction executescript would first commit.
                 await db.executemany(INSERT_MESSAGE_ROW, batch.message_rows())
-                for statement in batch.statements(replica=self.replica, replica_kv=self.replica_kv,
-                                   now=self.now()):
-                    await db.execute(statement)
+                for text in batch.statements(replica=self.replica, replica_kv=self.replica_kv,
+                                             now=self.now()):
+                    for statement in single_statements(text):
+                        await db.execute(statement)
             except sqlite3.OperationalError:
                 raise  # the store's trouble, not the turn's
             except (sqlite3.Error, ValueError, LookupError, TypeError, AttributeError) as exc:

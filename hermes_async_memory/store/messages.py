@@ -12,7 +12,7 @@ from ..errors import LeaseLostError
 from ..turns import Turn
 from .batch import INSERT_MESSAGE_ROW, INSERT_MESSAGES, Batch
 from .connections import Connections, rollback
-from .sql import KEY_CHUNK, SESSION_MESSAGES, decode_message, fetch_dicts
+from .sql import KEY_CHUNK, SESSION_MESSAGES, decode_message, fetch_dicts, single_statements
 
 SEARCH = """
 SELECT m.id, m.session_id, m.role, m.timestamp,
@@ -63,8 +63,8 @@ class Messages(Connections):
                 await db.execute("BEGIN IMMEDIATE")
                 await db.executemany(INSERT_MESSAGE_ROW, batch.message_rows())
                 # Statement by statement: executescript would first commit the open
-                # transaction.
-                for statement in script:
+                # transaction (a lifecycle event's text holds several).
+                for statement in (s for text in script for s in single_statements(text)):
                     await db.execute(statement)
             else:
                 head, tail = INSERT_MESSAGES.split("{turns}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,6 +12,23 @@ import aiosqlite
 
 # Keys per IN (...) lookup, well under SQLite's bound-parameter limit.
 KEY_CHUNK = 500
+
+
+def single_statements(sql: str) -> list[str]:
+    """``sql`` cut into its statements (a ``;`` inside a literal is not a cut), for a
+    connection that runs one at a time inside an open transaction."""
+    out: list[str] = []
+    start = 0
+    end = sql.find(";")
+    while end != -1:
+        if sqlite3.complete_statement(sql[start:end + 1]):
+            if sql[start:end].strip():
+                out.append(sql[start:end + 1])
+            start = end + 1
+        end = sql.find(";", end + 1)
+    if sql[start:].strip():
+        out.append(sql[start:])
+    return out
 
 
 def sql_literal(text: str) -> str:
