@@ -70,6 +70,22 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def seal_cached_store(tmp: Path, path: Path) -> None:
+    """Put a store built at ``tmp`` in place as the cache ``path``: its done keys pruned (the
+    pipeline's maintainer prunes keys of outbox segments that are gone in the background;
+    done now, so that no measuring run does it while it measures), its WAL checkpointed,
+    its outbox removed."""
+    conn = sqlite3.connect(tmp)
+    conn.execute("DELETE FROM outbox WHERE status = 'done'")
+    conn.commit()
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    shutil.rmtree(tmp.with_name(tmp.name + ".outbox"), ignore_errors=True)
+    tmp.rename(path)
+    for suffix in ("-wal", "-shm"):
+        tmp.with_name(tmp.name + suffix).unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def scratch_dir(name: str) -> Iterator[Path]:
     """A fresh directory on the project's disk (not tmpfs), removed afterwards."""

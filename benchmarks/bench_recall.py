@@ -48,6 +48,7 @@ from _common import (
     print_table,
     quiet_logs,
     report,
+    seal_cached_store,
     summary,
 )
 
@@ -141,18 +142,7 @@ async def build(path: Path, messages: int, corpus: Corpus) -> None:
                     flush=True,
                 )
         await mem.flush(timeout=FLUSH_TIMEOUT_S)
-    # Done keys of outbox segments that are gone can never be replayed; the pipeline's
-    # maintainer prunes them in the background. Do it now, so that the first measuring run
-    # does not delete half a million rows while it measures.
-    conn = sqlite3.connect(tmp)
-    conn.execute("DELETE FROM outbox WHERE status = 'done'")
-    conn.commit()
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-    shutil.rmtree(tmp.with_name(tmp.name + ".outbox"), ignore_errors=True)
-    tmp.rename(path)
-    for suffix in ("-wal", "-shm"):
-        tmp.with_name(tmp.name + suffix).unlink(missing_ok=True)
+    seal_cached_store(tmp, path)
     print(f"built in {time.perf_counter() - t0:.0f} s", flush=True)
 
 

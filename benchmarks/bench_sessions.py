@@ -63,6 +63,7 @@ from _common import (
     quiet_logs,
     report,
     scratch_dir,
+    seal_cached_store,
     summary,
 )
 
@@ -223,18 +224,7 @@ async def build(path: Path, messages: int, corpus: Corpus) -> float:
         for sid in rng.sample(session_ids, int(len(session_ids) * ENDED_SHARE)):
             mem.sessions.end_nowait(sid, "user_exit", user_id=corpus.user_id(plan[sid][0]))
         await mem.flush(timeout=FLUSH_TIMEOUT_S)
-    # Done keys of outbox segments that are gone can never be replayed; the pipeline's
-    # maintainer prunes them in the background. Do it now, so that a measuring run does not
-    # delete them while it measures.
-    conn = sqlite3.connect(tmp)
-    conn.execute("DELETE FROM outbox WHERE status = 'done'")
-    conn.commit()
-    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-    shutil.rmtree(tmp.with_name(tmp.name + ".outbox"), ignore_errors=True)
-    tmp.rename(path)
-    for suffix in ("-wal", "-shm"):
-        tmp.with_name(tmp.name + suffix).unlink(missing_ok=True)
+    seal_cached_store(tmp, path)
     took = time.perf_counter() - t0
     print(f"built in {took:.0f} s ({turns:,} turns, {stored:,} messages)", flush=True)
     return took
