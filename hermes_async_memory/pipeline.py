@@ -21,7 +21,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -393,24 +393,49 @@ class MemoryPipeline:
         Raises:
             FlushTimeoutError, PipelineFailedError, PipelineClosedError: as ``flush``.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
+        deadline = _deadline(timeout)
         for lane in dict.fromkeys(r.session_id for r in receipts):
-            await self.flush_lane(lane, left())
+            await self.flush_lane(lane, _left(deadline))
         if self.settings.role != "producer" or not receipts:
             return
         keys = {r.key for r in receipts}
+
+        async def uncommitted() -> int:
+            nonlocal keys
+            keys -= await self.store.done_keys(keys)
+            return len(keys)
+
+        await self._worker_commits(uncommitted, deadline, timeout)
+
+    async def lane_committed(self, lane: str, timeout: float | None = None  # noqa: ASYNC109
+                             ) -> None:
+        """``committed`` for everything accepted here in ``lane`` (unchecked) before the call;
+        for a producer, until no record of the lane waits in the shared inbox.
+
+        Raises:
+            FlushTimeoutError, PipelineFailedError, PipelineClosedError: as ``flush``.
+        """
+        deadline = _deadline(timeout)
+        await self.flush_lane(lane, _left(deadline))
+        if self.settings.role != "producer":
+            return
+
+        async def uncommitted() -> int:
+            return len(await self.store.lane_records(lane))
+
+        await self._worker_commits(uncommitted, deadline, timeout)
+
+    async def _worker_commits(self, uncommitted: Callable[[], Awaitable[int]],
+                              deadline: float | None, waited: float | None) -> None:
+        """Wait until ``uncommitted()`` counts none, polling: no signal crosses processes."""
         poll_s = self.settings.shared_poll_ms / 1000
-        with anyio.move_on_after(left()):
-            # No signal crosses processes: poll the done keys, as the shared parts do.
-            while keys := keys - await self.store.done_keys(keys):  # noqa: ASYNC110
+        left = 0
+        with anyio.move_on_after(_left(deadline)):
+            while left := await uncommitted():  # noqa: ASYNC110
                 await anyio.sleep(poll_s)
             return
-        raise FlushTimeoutError(f"the worker did not commit {len(keys)} of {len(receipts)} "
-                                f"records within {timeout} s; they stay in the shared inbox")
+        raise FlushTimeoutError(f"the worker did not commit {left} records within {waited} "
+                                "s; they stay in the shared inbox")
 
     async def get_messages(self, session_id: str) -> list[dict[str, Any]]:
         """The session's stored messages, in order.
@@ -489,3 +514,11 @@ def _check_ids(session_id: str, user_id: str | None) -> None:
     check_id("session_id", session_id)
     if user_id is not None:
         check_id("user_id", user_id)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hermes_async_memory import MemoryPipeline, Settings
-from hermes_async_memory.errors import InvalidTurnError, PipelineClosedError
+from hermes_async_memory.errors import FlushTimeoutError, InvalidTurnError, PipelineClosedError
 from hermes_async_memory.memory import InvalidEntryError, MemoryEntry
 
 from .test_outbox import run_child_until
@@ -200,6 +200,22 @@ async def test_sigkill_during_key_value_writes_loses_none_and_keeps_order(
     done = sqlite3.connect(db).execute(
         "SELECT count(*) FROM outbox WHERE status = 'done'").fetchone()[0]
     assert done >= 3 * 2 * len({i for _, _, i in receipts})  # every write committed once
+
+
+async def test_a_producers_settled_waits_for_the_worker_to_commit(tmp_path: Path) -> None:
+    """settled() means committed for every reader of the store: for a producer, by the worker,
+    not just handed in to the shared inbox (where no worker is running, it times out)."""
+    db = tmp_path / "m.db"
+    producer_settings = Settings(db_path=db, role="producer", shared_poll_ms=5.0)
+    async with MemoryPipeline(producer_settings) as producer:
+        await producer.memory.store("ann", "lang", "python")
+        with pytest.raises(FlushTimeoutError):
+            await producer.memory.settled("ann", timeout_s=0.2)
+        async with MemoryPipeline(Settings(db_path=db, role="worker",
+                                           shared_poll_ms=5.0)) as worker:
+            await producer.memory.store("ann", "os", "linux")
+            await producer.memory.settled("ann")
+            assert await worker.store.memory_counts() == (2, 1)
 
 
 async def test_a_producers_writes_are_read_back_before_any_worker_commits_them(

@@ -215,7 +215,7 @@ class KeyValueMemory:
         Raises:
             FlushTimeoutError, PipelineFailedError, PipelineClosedError: as ``flush``.
         """
-        await self._p.flush_lane(lane_of(check_user(user_id)), timeout_s)
+        await self._p.lane_committed(lane_of(check_user(user_id)), timeout_s)
 
     async def _pending(self, user: str) -> list[KvOp]:
         """Wait for the user's lane here; then the writes other processes handed in and no

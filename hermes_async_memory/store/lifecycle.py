@@ -34,7 +34,14 @@ from typing import Any
 from ..ops import SNAPSHOT_FIELD, SessionOp, parse_session
 from ..turns import Turn, scope_tokens
 from .connections import Connections
-from .sql import KEY_CHUNK, SESSION_MESSAGES, decode_message, fetch_dicts, sql_literal
+from .sql import (
+    KEY_CHUNK,
+    SESSION_MESSAGES,
+    decode_message,
+    fetch_dicts,
+    sql_literal,
+    where_equal,
+)
 
 _JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
@@ -282,19 +289,12 @@ class Lifecycle(Connections):
         """Every session (of ``user_id``; or just ``session_id``), oldest first, with its
         messages (tool calls and metadata decoded), from one read transaction: a consistent
         snapshot however long the caller takes."""
-        clauses, params = [], []
-        if user_id is not None:
-            clauses.append("user_id = ?")
-            params.append(user_id)
-        if session_id is not None:
-            clauses.append("id = ?")
-            params.append(session_id)
-        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        where, params = where_equal(("user_id", user_id), ("id", session_id))
         async with self.reader() as db:
             await db.execute("BEGIN")
             try:
                 sessions = await fetch_dicts(
-                    db, f"SELECT * FROM sessions {where} ORDER BY started_at, id", params)
+                    db, f"SELECT * FROM sessions{where} ORDER BY started_at, id", params)
                 for session in sessions:
                     rows = await fetch_dicts(db, SESSION_MESSAGES, (session["id"],))
                     yield session, [decode_message(r) for r in rows]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .connections import Connections
-from .sql import fetch_dicts
+from .sql import fetch_dicts, where_equal
 
 # Marks around the matched words in a hit's snippet, and what stands for cut text.
 SNIPPET_OPEN = ">>>"
@@ -144,7 +144,7 @@ class SessionQueries(Connections):
                             limit: int = 50, offset: int = 0) -> list[dict[str, Any]]:
         """Sessions, newest first (``started_at``, then id), every column, model_config
         decoded."""
-        where, params = _where(("source", source), ("user_id", user_id))
+        where, params = where_equal(("source", source), ("user_id", user_id))
         async with self.reader() as db:
             rows = await fetch_dicts(
                 db, f"SELECT * FROM sessions{where} ORDER BY started_at DESC, id "
@@ -193,7 +193,7 @@ class SessionQueries(Connections):
     async def count_sessions(self, source: str | None = None, user_id: str | None = None,
                              session_id: str | None = None) -> int:
         """Sessions stored (from ``source``, of ``user_id``, with id ``session_id``)."""
-        where, params = _where(("source", source), ("user_id", user_id), ("id", session_id))
+        where, params = where_equal(("source", source), ("user_id", user_id), ("id", session_id))
         async with self.reader() as db:
             rows = await fetch_dicts(db, f"SELECT count(*) AS n FROM sessions{where}", params)
         return int(rows[0]["n"])
@@ -201,7 +201,7 @@ class SessionQueries(Connections):
     async def count_messages(self, session_id: str | None = None, user_id: str | None = None,
                              source: str | None = None) -> int:
         """Messages stored (of ``session_id``, of ``user_id``, in sessions from ``source``)."""
-        where, params = _where(("m.session_id", session_id), ("m.user_id", user_id),
+        where, params = where_equal(("m.session_id", session_id), ("m.user_id", user_id),
                                ("s.source", source))
         join = " JOIN sessions AS s ON s.id = m.session_id" if source is not None else ""
         async with self.reader() as db:
@@ -225,11 +225,3 @@ def decode_session(row: dict[str, Any]) -> dict[str, Any]:
 
 def _marks(values: Sequence[str]) -> str:
     return ",".join("?" * len(values))
-
-
-def _where(*columns: tuple[str, str | None]) -> tuple[str, list[Any]]:
-    """`` WHERE col = ? AND ...`` for the (column, value) pairs with a value."""
-    given = [(col, value) for col, value in columns if value is not None]
-    clauses = [f"{col} = ?" for col, _ in given]
-    params = [value for _, value in given]
-    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params

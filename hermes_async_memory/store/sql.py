@@ -62,3 +62,12 @@ def decode_message(message: dict[str, Any]) -> dict[str, Any]:
             with contextlib.suppress(ValueError):
                 message[name] = json.loads(message[name])
     return message
+
+
+def where_equal(*columns: tuple[str, object]) -> tuple[str, list[Any]]:
+    """`` WHERE col = ? AND ...`` for the (column, value) pairs with a value (not None), and
+    the values to bind; ``("", [])`` when none has one."""
+    given = [(col, value) for col, value in columns if value is not None]
+    clauses = [f"{col} = ?" for col, _ in given]
+    params = [value for _, value in given]
+    return (" WHERE " + " AND ".join(clauses) if clauses else ""), params
