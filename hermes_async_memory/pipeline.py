@@ -43,12 +43,13 @@ from .errors import (
 from .memory.backends import memory_for
 from .metrics import PipelineObserver
 from .parts import Parts, build_parts, collect_stats
+from .procedural.api import ProceduralMemory
 from .recall.cache import PrefetchStatus, RecallCache
 from .retry import Backoff
 from .sessions.api import SessionStore
 from .settings import Settings
 from .stats import Meter, PipelineStats
-from .store import SqliteStore
+from .store import SqliteStore, ToolLogConfig
 from .supervisor import DISK_FULL, Conditions, Health
 from .turns import Receipt, check_id, encode_turn
 
@@ -90,6 +91,9 @@ class MemoryPipeline:
         )
         if not isinstance(self.backend, NullBackend) and s.role != "producer":
             self.store.replica = self.backend.name  # each commit queues its turns for it
+        if s.tool_log:  # each commit logs its turns' tool calls
+            self.store.tool_log = ToolLogConfig(s.tool_outcome_rules, s.tool_log_max_per_user,
+                                                s.tool_fix_window_s)
         self.clock = clock
         self._backoff = Backoff(base_s=s.commit_retry_base_s)
         self.conditions = Conditions(clock)
@@ -102,6 +106,7 @@ class MemoryPipeline:
         # Key-value memory per user, through the same outbox as turns (see ``memory``).
         self.memory = memory_for(self)
         # The session store: its reads, and its lifecycle writes through the same outbox.
+        self.procedural = ProceduralMemory(self.store)  # the tool-call log's reads
         self.sessions = SessionStore(self)
         self._parts: Parts | None = None
         self._state = NEW

@@ -16,6 +16,7 @@ import platformdirs
 from .backends.honcho import HonchoConfig
 from .env import read_env
 from .errors import ConfigurationError
+from .procedural.extract import OutcomeRules
 
 OverflowPolicy = Literal["defer", "reject"]
 OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("defer", "reject")
@@ -107,6 +108,14 @@ class Settings:
     # (this store, each write mirrored to Honcho: needs backend "honcho"), "null" (stores
     # nothing), or "auto": honcho when the pipeline replicates to Honcho, else local.
     kv_backend: KvBackendName = "auto"
+    # Procedural memory: each committed turn's tool calls are logged (``pipeline.procedural``),
+    # judged a success or a failure by ``tool_outcome_rules`` (see procedural.extract); a
+    # user's log keeps its newest ``tool_log_max_per_user`` calls; a success within
+    # ``tool_fix_window_s`` of a failure of the same tool, with other arguments, fixed it.
+    tool_log: bool = True
+    tool_log_max_per_user: int = 10_000
+    tool_fix_window_s: float = 3600.0
+    tool_outcome_rules: OutcomeRules = field(default_factory=OutcomeRules)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
@@ -116,7 +125,7 @@ class Settings:
             "outbox_segment_bytes", "replica_max_attempts",
             "recall_workers", "recall_limit",
             "recall_snippet_tokens", "recall_max_terms", "frequent_term_rows",
-            "max_pending_recalls", "cache_max_sessions",
+            "max_pending_recalls", "cache_max_sessions", "tool_log_max_per_user",
         )
         for name in positive:
             value = getattr(self, name)
@@ -125,6 +134,7 @@ class Settings:
         non_negative = (
             "max_wait_ms", "commit_retry_base_s", "frequent_terms_refresh_s", "frequent_term_ratio",
             "shutdown_deadline_s", "busy_timeout_ms", "recent_turns", "recent_chars",
+            "tool_fix_window_s",
         )
         if self.backend not in BACKENDS:
             raise ConfigurationError(
@@ -175,7 +185,8 @@ class Settings:
             ConfigurationError: a variable does not parse as its field's type.
         """
         env = os.environ if environ is None else environ
-        values = read_env(cls, env, ENV_PREFIX, skip=("honcho",))  # HONCHO_* below
+        # HONCHO_* below; the outcome rules are set in code (or the Hermes config file).
+        values = read_env(cls, env, ENV_PREFIX, skip=("honcho", "tool_outcome_rules"))
         values.update(overrides)
         values.setdefault("backend", auto_backend(values, env))
         if values.get("backend") == "honcho" and values.get("honcho") is None:

@@ -2,7 +2,8 @@
 
     python child_accept.py DB MODE
 
-MODE "accept": accept forever. "kv": key-value writes forever, for three users: each step
+MODE "accept": accept forever. "tools": accept forever, each turn with two tool calls
+(``c<i>a`` fails on odd ``i``, ``c<i>b`` succeeds), in Hermes's message format. "kv": key-value writes forever, for three users: each step
 ``i`` stores ``k<i>`` and then ``counter`` = i, and every third step deletes ``k<i-1>``.
 "in-commit": the first batch's transaction stays open (the
 writer is stuck inside it) while accepting goes on. "after-commit": the first batch commits,
@@ -49,12 +50,30 @@ async def main(db: str, mode: str) -> None:
         i = 0
         while True:
             session = f"s{i % 7}"
-            r = mem.sync_turn(f"user {i}", f"assistant {i}", session_id=session, user_id="u")
+            messages = tool_turn(i) if mode == "tools" else None
+            r = mem.sync_turn(f"user {i}", f"assistant {i}", session_id=session, user_id="u",
+                              messages=messages)
             sys.stdout.write(f"ACK {r.key} {session} {i}\n")
             sys.stdout.flush()
             i += 1
             if i % 25 == 0:
                 await asyncio.sleep(0)
+
+
+def tool_turn(i: int) -> list[dict[str, object]]:
+    failed = '{"error": "FileNotFoundError: no such file", "exit_code": 1}'
+    return [
+        {"role": "user", "content": f"user {i}"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"c{i}a", "type": "function",
+             "function": {"name": "read_file", "arguments": f'{{"path": "f{i}.py"}}'}},
+            {"id": f"c{i}b", "type": "function",
+             "function": {"name": "terminal", "arguments": f'{{"command": "ls {i}"}}'}}]},
+        {"role": "tool", "tool_call_id": f"c{i}a",
+         "content": failed if i % 2 else '{"content": "ok"}'},
+        {"role": "tool", "tool_call_id": f"c{i}b", "content": '{"output": "", "exit_code": 0}'},
+        {"role": "assistant", "content": f"assistant {i}"},
+    ]
 
 
 async def key_values(mem: MemoryPipeline) -> None:

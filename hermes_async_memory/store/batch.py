@@ -15,6 +15,7 @@ from ..turns import TURN, Turn
 from .lifecycle import session_statements
 from .memories import op_statements, ops_done
 from .sql import sql_literal
+from .tool_log import ToolLogConfig, log_statements
 
 # A big token count is written as an integer and read back by SQLite as a real, as the old
 # summing in SQL did on overflow; NaN cannot occur (counts are integers).
@@ -108,6 +109,7 @@ class Batch:
         self._sessions: dict[str, list[Any]] = {}
         self._session_json: str | None = None  # their rows as JSON, once sealed
         self._has_nul = False
+        self._has_tool_calls = False
         # Turns claimed from the shared inbox: their rows, and the lease they are under.
         self.inbox_ids: list[int] = []
         self.lease_owner: str | None = None
@@ -153,6 +155,7 @@ class Batch:
             row[7] += t.input_tokens
             row[8] += t.output_tokens
         self._has_nul = self._has_nul or any([t.has_nul for t in turns])
+        self._has_tool_calls = self._has_tool_calls or any([t.tool_calls for t in turns])
         self._payloads.extend([t.payload for t in turns])
         runs = self._runs
         for t in turns:
@@ -222,10 +225,11 @@ class Batch:
         assert self._session_json is not None
         return sql_literal(self._session_json)
 
-    def statements(self, *, replica: str | None, now: float, replica_kv: bool = False
-                   ) -> list[str]:
+    def statements(self, *, replica: str | None, now: float, replica_kv: bool = False,
+                   tool_log: ToolLogConfig | None = None) -> list[str]:
         """What the batch's transaction runs after inserting its messages: the replica
-        outbox rows, the FTS index, the sessions, and the outbox keys marked 'done'; then
+        outbox rows, the FTS index, the sessions, the tool-call log (when ``tool_log`` and
+        some turn has tool calls), and the outbox keys marked 'done'; then
         the key-value records (with replica rows of their own when ``replica_kv``) and the
         session lifecycle events (with replica rows of their own whenever there is a
         ``replica``), in batch order, and their keys marked 'done'."""
@@ -238,6 +242,8 @@ class Batch:
         script += [INDEX_BATCH.format(start=start),
                    UPSERT_SESSIONS.format(rows=self.session_rows(), now=now_sql,
                                           source=sql_literal(self.source))]
+        if tool_log is not None and self._has_tool_calls:
+            script += log_statements(tool_log, start)
         script += [
             INSERT_DONE.format(segment=int(segment), now=now_sql, start=start, after=after,
                                upto=upto)

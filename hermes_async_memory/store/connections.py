@@ -33,6 +33,7 @@ from ..faults import (
     sqlite_code,
 )
 from .schema import check_current, check_tables, migrate
+from .tool_log import OUTCOME_FUNCTION, ToolLogConfig, outcome_function
 
 log = structlog.get_logger(__name__)
 
@@ -68,6 +69,9 @@ class Connections:
         self.replica: str | None = None
         # Whether key-value records go to that backend too (the Honcho key-value backend).
         self.replica_kv = False
+        # What commits do with tool calls (procedural memory); None: they are not logged.
+        # Set before open(): the writer connection registers its outcome function.
+        self.tool_log: ToolLogConfig | None = None
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -94,6 +98,10 @@ class Connections:
             raise _os_error(self.path, exc) from exc
         try:
             self._writer = await self._connect(busy_ms=self._statement_busy_ms)
+            if self.tool_log is not None:
+                await self._writer.create_function(
+                    OUTCOME_FUNCTION, 1, outcome_function(self.tool_log.rules),
+                    deterministic=True)
             await migrate(self._writer, self.path)
             for _ in range(self._readers_n):
                 conn = await self._connect(readonly=True)

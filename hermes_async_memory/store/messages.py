@@ -56,7 +56,7 @@ class Messages(Connections):
         """
         db = self.writer
         script = batch.statements(replica=self.replica, replica_kv=self.replica_kv,
-                                   now=self.now())
+                                   now=self.now(), tool_log=self.tool_log)
         script += batch.lease_statements()
         try:
             if batch.has_nul:  # rare: bind the rows one by one, NUL and all

@@ -13,7 +13,8 @@ from ..errors import StoreError
 # 4: sessions keep their model config, system prompt and whether their token counts were
 #    estimated, messages their reported token count (added columns); sessions are listed by
 #    source.
-SCHEMA_VERSION = 4
+# 5: the tool-call log (tool_calls, tool_log_counts); new tables only.
+SCHEMA_VERSION = 5
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -148,6 +149,36 @@ CREATE VIRTUAL TABLE IF NOT EXISTS memories_fts USING fts5(
     content='memories', content_rowid='id',
     tokenize='unicode61 remove_diacritics 2'
 );
+-- Procedural memory: every tool call of a committed turn, logged in the turn's transaction.
+CREATE TABLE IF NOT EXISTS tool_calls (
+    id INTEGER PRIMARY KEY,
+    message_id INTEGER NOT NULL,  -- the assistant message that made the call
+    call_id TEXT NOT NULL,
+    session_id TEXT NOT NULL,
+    user_id TEXT NOT NULL,  -- '' for a turn without a user
+    tool TEXT NOT NULL,
+    arguments TEXT NOT NULL,  -- JSON (minified as given)
+    result TEXT NOT NULL,  -- the answer's first 500 characters
+    ok INTEGER NOT NULL,
+    error_type TEXT,
+    error_message TEXT,
+    duration_ms REAL,
+    goal TEXT,  -- the user message that led to it
+    at REAL NOT NULL,
+    fixed_by INTEGER,  -- the later call that fixed this failure
+    fixes INTEGER,  -- the failure this call fixed
+    UNIQUE (message_id, call_id)
+);
+CREATE INDEX IF NOT EXISTS idx_tool_calls_user_tool ON tool_calls(user_id, tool, id);
+CREATE INDEX IF NOT EXISTS idx_tool_calls_user ON tool_calls(user_id, id);
+CREATE TABLE IF NOT EXISTS tool_log_counts (
+    user_id TEXT PRIMARY KEY,
+    n INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TRIGGER IF NOT EXISTS tool_calls_message_delete AFTER DELETE ON messages
+WHEN old.tool_calls IS NOT NULL BEGIN
+    DELETE FROM tool_calls WHERE message_id = old.id;
+END;
 CREATE TRIGGER IF NOT EXISTS memories_fts_insert AFTER INSERT ON memories BEGIN
     INSERT INTO memories_fts(rowid, key, value, scope)
     VALUES (new.id, new.key, new.value, new.scope);
@@ -209,7 +240,7 @@ async def migrate(db: aiosqlite.Connection, path: Path) -> None:
     elif row[0] < SCHEMA_VERSION:
         if row[0] < 2:
             await _rekey_recalls(db)
-        # Versions 3 and 4 only added tables, indexes and columns: the schema script and
+        # Versions 3 to 5 only added tables, indexes and columns: the schema script and
         # add_missing_columns make them.
         await db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
     await add_missing_columns(db)
@@ -258,7 +289,8 @@ async def check_tables(db: aiosqlite.Connection) -> None:
     """One cheap read of every table: a damaged page behind them shows now, not later."""
     for query in ("SELECT max(rowid) FROM sessions", "SELECT max(id) FROM messages",
                   "SELECT max(key) FROM outbox", "SELECT max(id) FROM inbox",
-                  "SELECT max(id) FROM replica_outbox", "SELECT max(id) FROM memories"):
+                  "SELECT max(id) FROM replica_outbox", "SELECT max(id) FROM memories",
+                  "SELECT max(id) FROM tool_calls"):
         async with db.execute(query) as cur:
             await cur.fetchone()
 
