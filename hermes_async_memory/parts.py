@@ -184,7 +184,8 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     commits = role != "producer"
     local = LocalRecaller(store, p.backend, limit=s.recall_limit,
                           max_terms=s.recall_max_terms,
-                          snippet_tokens=s.recall_snippet_tokens, observer=p.observer)
+                          snippet_tokens=s.recall_snippet_tokens, observer=p.observer,
+                          procedural=s.procedural_context if s.tool_log else None)
     remote = RemoteRecaller(store, s.max_pending_recalls) if role == "producer" else None
     source = OutboxSource(outbox, p.barrier)
     inbox = (InboxSource(store, lease_owner(key_prefix), s.lease_s, p.clock)

@@ -17,6 +17,7 @@ from .backends.honcho import HonchoConfig
 from .env import read_env
 from .errors import ConfigurationError
 from .procedural.extract import OutcomeRules
+from .procedural.format import ContextSettings
 
 OverflowPolicy = Literal["defer", "reject"]
 OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("defer", "reject")
@@ -116,6 +117,11 @@ class Settings:
     tool_log_max_per_user: int = 10_000
     tool_fix_window_s: float = 3600.0
     tool_outcome_rules: OutcomeRules = field(default_factory=OutcomeRules)
+    # The procedural block each recall appends for its session (the record of the tools its
+    # last turns used; guidance when one just failed), rendered by these options within
+    # their budget; None: no block.
+    procedural_context: ContextSettings | None = field(
+        default_factory=lambda: ContextSettings(max_chars=1200))
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
@@ -186,7 +192,8 @@ class Settings:
         """
         env = os.environ if environ is None else environ
         # HONCHO_* below; the outcome rules are set in code (or the Hermes config file).
-        values = read_env(cls, env, ENV_PREFIX, skip=("honcho", "tool_outcome_rules"))
+        values = read_env(cls, env, ENV_PREFIX, skip=("honcho", "tool_outcome_rules",
+                                                       "procedural_context"))
         values.update(overrides)
         values.setdefault("backend", auto_backend(values, env))
         if values.get("backend") == "honcho" and values.get("honcho") is None:

@@ -3,7 +3,8 @@
     python child_accept.py DB MODE
 
 MODE "accept": accept forever. "tools": accept forever, each turn with two tool calls
-(``c<i>a`` fails on odd ``i``, ``c<i>b`` succeeds), in Hermes's message format. "kv": key-value writes forever, for three users: each step
+(``c<i>a`` fails on odd ``i``, ``c<i>b`` succeeds), in Hermes's message format. "kv":
+key-value writes forever, for three users: each step
 ``i`` stores ``k<i>`` and then ``counter`` = i, and every third step deletes ``k<i-1>``.
 "in-commit": the first batch's transaction stays open (the
 writer is stuck inside it) while accepting goes on. "after-commit": the first batch commits,

@@ -146,7 +146,7 @@ async def test_stats_error_patterns_and_success_hints(tmp_path: Path) -> None:
         assert dict(missing.typical_fix.changed) == {"path": ("src/mian.py", "src/main.py")}
         assert read.hints[0].arguments == {"path": "conf.toml", "encoding": "utf-8"}
         assert stats["terminal"].avg_duration_ms == pytest.approx((812 + 2400) / 2)
-        assert list(stats)[0] == "read_file"  # most called first
+        assert next(iter(stats)) == "read_file"  # most called first
         [hint] = await mem.procedural.arguments_for("ann", "open the config file",
                                                     tool="read_file")
         assert hint.arguments == {"path": "conf.toml", "encoding": "utf-8"}
@@ -178,6 +178,9 @@ def test_default_rules_each_kind_of_answer() -> None:
     assert judge("ValueError: bad literal").error_type == "ValueError"
     assert judge("all good, no Error: here").ok is True  # not at a line start
     assert judge("").ok is True
+    inside = judge(json.dumps({"output": "Traceback (most recent call last):\n  File \"a\"\n"
+                                         "KeyError: 'x'"}))
+    assert (inside.ok, inside.error_type) == (False, "KeyError")
 
 
 async def test_malformed_tool_calls_never_fail_the_turns_commit(tmp_path: Path) -> None:
@@ -238,3 +241,43 @@ async def test_sigkill_keeps_every_acknowledged_call_exactly_once(tmp_path: Path
         assert ok[f"c{i}a"] is (i % 2 == 0), f"turn {i}: read_file's outcome"
         assert ok[f"c{i}b"] is True, f"turn {i}: terminal lost"
     assert len(rows) <= 2 * (len(receipts) + 1)  # at most the turn the kill fell on besides
+
+
+async def test_the_next_prefetch_carries_guidance_for_a_tool_that_just_failed(
+        tmp_path: Path) -> None:
+    async with MemoryPipeline(Settings(db_path=tmp_path / "m.db")) as mem:
+        await write(mem, SESSION[:2], session="earlier")  # a read_file typo, then its fix
+        failing = turn("open the entry point", [call("e1", "read_file", path="src/mian.py")],
+                       {"e1": {"error": "FileNotFoundError: [Errno 2] No such file or "
+                                        "directory: 'src/mian.py'"}})
+        await write(mem, [failing], session="now")
+        mem.queue_prefetch("open the entry point", session_id="now", user_id="ann")
+        await mem.wait_until(
+            lambda: "<procedural" in mem.prefetch("", session_id="now", user_id="ann"),
+            timeout=10)
+        block = mem.prefetch("", session_id="now", user_id="ann")
+        assert "<procedural_guidance" in block and "FileNotFoundError" in block
+        assert "src/main.py" in block  # what fixed it before
+        assert "<procedural_memory>" in block and "read_file" in block
+        settings = Settings().procedural_context
+        assert settings is not None
+        tail = block[block.index("<procedural_guidance"):]
+        assert len(tail) <= settings.budget + 2  # both blocks within the budget
+        # Another user's session sees nothing of ann's tools.
+        mem.queue_prefetch("open the entry point", session_id="now", user_id="bob")
+        await mem.wait_until(
+            lambda: mem.prefetch_status("now", user_id="bob").recall_query is not None,
+            timeout=10)
+        assert "<procedural" not in mem.prefetch("", session_id="now", user_id="bob")
+
+
+async def test_no_procedural_block_when_it_is_off(tmp_path: Path) -> None:
+    settings = Settings(db_path=tmp_path / "m.db", procedural_context=None)
+    async with MemoryPipeline(settings) as mem:
+        await write(mem, SESSION[:1], session="now")
+        mem.queue_prefetch("entry point", session_id="now", user_id="ann")
+        await mem.wait_until(
+            lambda: mem.prefetch_status("now", user_id="ann").recall_query is not None,
+            timeout=10)
+        assert "<procedural" not in mem.prefetch("", session_id="now", user_id="ann")
+        assert await mem.procedural.search("ann")  # still logged

@@ -97,6 +97,8 @@ def judge(content: Any, rules: OutcomeRules = OutcomeRules()) -> Outcome:
                 return Outcome(False, "exit_code",
                                f"exit code {code}{': ' + detail if detail else ''}"
                                [:ERROR_CHARS], duration)
+    if doc is not None:  # the pattern looks at the lines of the text fields, not at JSON
+        text = "\n".join(v for v in doc.values() if isinstance(v, str))
     match = re.search(rules.exception_pattern, text)
     if match is not None:
         kind: str = match.group("type") or _last_exception_type(text) or "exception"

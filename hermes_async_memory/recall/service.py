@@ -28,6 +28,9 @@ from ..backends import Backend, NullBackend, RecallRequest
 from ..barrier import CommitBarrier
 from ..errors import describe
 from ..metrics import PipelineObserver
+from ..procedural.api import ProceduralMemory
+from ..procedural.context import session_block
+from ..procedural.format import ContextSettings
 from ..store import SqliteStore
 from ..turns import scope_token_for
 from .cache import CacheKey, RecallCache
@@ -57,8 +60,11 @@ class LocalRecaller:
     """Answers recalls in this process: the backend first when it recalls, else the store."""
 
     def __init__(self, store: SqliteStore, backend: Backend, *, limit: int, max_terms: int,
-                 snippet_tokens: int, observer: PipelineObserver) -> None:
+                 snippet_tokens: int, observer: PipelineObserver,
+                 procedural: ContextSettings | None = None) -> None:
         self._store = store
+        # The procedural block appended for the session (its tools' record in the log).
+        self._procedural = (ProceduralMemory(store), procedural) if procedural else None
         self._backend = backend
         self._limit = limit
         self._max_terms = max_terms
@@ -73,6 +79,22 @@ class LocalRecaller:
         return len(self._inflight)
 
     async def recall(self, query: str, user_id: str | None, session_id: str) -> Recalled:
+        recalled = await self._recall(query, user_id, session_id)
+        if self._procedural is None:
+            return recalled
+        memory, settings = self._procedural
+        try:
+            extra = await session_block(memory, user_id, session_id, settings)
+        except Exception as exc:  # the recall stands without it
+            log.warning("procedural_block_failed", session_id=session_id, error=describe(exc),
+                        exc_info=exc)
+            extra = ""
+        if not extra:
+            return recalled
+        block = f"{recalled.block}\n\n{extra}" if recalled.block else extra
+        return Recalled(block, recalled.source, recalled.fallback)
+
+    async def _recall(self, query: str, user_id: str | None, session_id: str) -> Recalled:
         scope = scope_token_for(user_id, session_id)
         terms = tuple(query_terms(query, self._store.frequent_terms, self._max_terms))
         # One user's identical recalls share one search; a backend's recall is per session.
