@@ -412,7 +412,10 @@ def test_choose_none_when_best_lacks_evidence() -> None:
     settings = TemplateSettings(min_evidence=3)
     proven = _template("proven", ok=9, failed=1)
     lucky = _template("lucky", ok=2)  # 2 of 2: the best rate, on too little evidence
-    assert choose([proven, lucky], "code", settings=settings) is None
+    assert choose([lucky], "code", settings=settings) is None
+    # Under the floor it neither wins nor blocks the proven one.
+    assert choose([proven, lucky], "code", settings=settings) is proven
+    assert choose([lucky, proven], "code", settings=settings) is proven
     assert choose([proven], "code", settings=settings) is proven
     untried = _template("untried")
     assert choose([untried], "code", settings=settings) is None

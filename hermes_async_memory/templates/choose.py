@@ -7,12 +7,11 @@ used (to spread sessions over equals, which also gathers evidence on them), then
 ended sessions, then the first given. A template no session has ended from has a rate of
 0 for this ranking: unknown is not good.
 
-The best is returned only when it has ended sessions at least ``settings.min_evidence``
-times and a rate of at least ``settings.min_success_rate``; otherwise there is no choice
-(None), even if a worse-ranked template would pass: below the floor of evidence, do not
-pick one. A store starting out therefore picks nothing until templates are used by name
-and their sessions' outcomes are recorded; with ``min_evidence=0`` and
-``min_success_rate=0`` the best there is is always picked.
+Below the floor of evidence no template is picked: a candidate counts only once sessions
+have ended from it at least ``settings.min_evidence`` times (its source session counts as
+one, when it met the bar a template is made from) with a rate of at least
+``settings.min_success_rate``; with none such, there is no choice (None). A lucky 2-of-2
+template under a floor of 3 neither wins nor blocks a proven 9-of-10 one.
 
 One pass over the candidates, no sort: the ranking key is built only for those that pass
 the filters, and compared as integers (rates are compared by cross-multiplying).
@@ -41,6 +40,9 @@ def choose(candidates: Iterable[Template], task_type: str, tags: Sequence[str] =
             continue
         ok = t.successes
         ended = ok + t.failures
+        if ended < settings.min_evidence or ok < settings.min_success_rate * ended or (
+                ended == 0 and settings.min_success_rate > 0):
+            continue
         if best is None:
             better = True
         else:
@@ -52,7 +54,4 @@ def choose(candidates: Iterable[Template], task_type: str, tags: Sequence[str] =
                 or (t.usage_count == best_used and ended > best_ended)))
         if better:
             best, best_ok, best_ended, best_used = t, ok, ended, t.usage_count
-    if best is None or best_ended < settings.min_evidence:
-        return None
-    rate = best_ok / best_ended if best_ended else 0.0
-    return best if rate >= settings.min_success_rate else None
+    return best
