@@ -29,6 +29,9 @@ Role = Literal["embedded", "producer", "worker"]
 ROLES: tuple[Role, ...] = ("embedded", "producer", "worker")
 
 APP_NAME = "hermes-async-memory"
+# Fields set in code only, never from text (the environment or a config file): structured
+# values; Honcho's come from HONCHO_* variables through HonchoConfig.
+STRUCTURED_FIELDS = ("honcho", "tool_outcome_rules", "procedural_context")
 ENV_PREFIX = "HERMES_MEMORY_"
 MIB = 1024 * 1024
 
@@ -122,6 +125,9 @@ class Settings:
     # their budget; None: no block.
     procedural_context: ContextSettings | None = field(
         default_factory=lambda: ContextSettings(max_chars=1200))
+    # The Hermes provider's system prompt block also carries a compact summary of the user's
+    # tools (their success rates and frequent errors).
+    procedural_summary: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
@@ -191,9 +197,7 @@ class Settings:
             ConfigurationError: a variable does not parse as its field's type.
         """
         env = os.environ if environ is None else environ
-        # HONCHO_* below; the outcome rules are set in code (or the Hermes config file).
-        values = read_env(cls, env, ENV_PREFIX, skip=("honcho", "tool_outcome_rules",
-                                                       "procedural_context"))
+        values = read_env(cls, env, ENV_PREFIX, skip=STRUCTURED_FIELDS)  # HONCHO_* below
         values.update(overrides)
         values.setdefault("backend", auto_backend(values, env))
         if values.get("backend") == "honcho" and values.get("honcho") is None:

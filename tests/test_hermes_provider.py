@@ -27,7 +27,7 @@ from hermes_async_memory import (
 )
 from hermes_async_memory.hermes import config as hconfig
 from hermes_async_memory.hermes.runtime import Runtime
-from hermes_async_memory.hermes.search_tool import SEARCH_TOOL
+from hermes_async_memory.hermes.search_tool import SEARCH_TOOL, SYSTEM_PROMPT
 from hermes_async_memory.hermes.turn_messages import this_turn
 from hermes_async_memory.memory import MEMORY_TOOL
 
@@ -672,3 +672,63 @@ def test_a_resumed_session_has_its_recent_turns_before_its_first_reply(home: Pat
         assert "noted the parcel number" in again.prefetch("")
     finally:
         again.shutdown()
+
+
+# -- procedural memory -----------------------------------------------------------------------
+
+
+def _tool_turn(goal: str, cid: str, path: str, answer: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": goal},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": cid, "type": "function",
+                 "function": {"name": "read_file", "arguments": json.dumps({"path": path})}}]},
+            {"role": "tool", "tool_call_id": cid, "content": json.dumps(answer)},
+            {"role": "assistant", "content": f"done {cid}"}]
+
+
+def test_the_procedural_tool_answers_with_the_fix_and_the_arguments_that_worked(
+        provider: HermesMemoryProvider) -> None:
+    from hermes_async_memory.procedural.tool import PROCEDURAL_TOOL
+
+    assert PROCEDURAL_TOOL in [s["name"] for s in provider.get_tool_schemas()]
+    for msgs in (_tool_turn("open the app config", "c1", "conf/app.tml",
+                            {"error": "FileNotFoundError: conf/app.tml"}),
+                 _tool_turn("open the app config", "c2", "conf/app.toml", {"content": "x=1"})):
+        provider.sync_turn(msgs[0]["content"], msgs[-1]["content"], session_id="s1",
+                           messages=msgs)
+    provider.flush(WAIT_S)
+    fix = json.loads(provider.handle_tool_call(
+        PROCEDURAL_TOOL, {"action": "fix", "error": "FileNotFoundError"}))
+    assert fix["ok"] and fix["found"]
+    assert "conf/app.toml" in fix["answer"] and "conf/app.tml" in fix["answer"]
+    args = json.loads(provider.handle_tool_call(
+        PROCEDURAL_TOOL, {"action": "arguments", "goal": "open the config of the app"}))
+    assert args["found"] and "conf/app.toml" in args["answer"]
+    stats = json.loads(provider.handle_tool_call(PROCEDURAL_TOOL, {"action": "stats"}))
+    assert "read_file" in stats["answer"] and "1/2" in stats["answer"]
+    bad = json.loads(provider.handle_tool_call(PROCEDURAL_TOOL, {"action": "fix"}))
+    assert not bad["ok"] and "error" in bad["error"]
+
+
+def test_the_system_prompt_block_carries_the_tools_summary_when_enabled(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HERMES_MEMORY_PROCEDURAL_SUMMARY", "true")
+    p = HermesMemoryProvider()
+    p.initialize("s1", hermes_home=str(home), platform="cli")
+    try:
+        assert "<procedural_memory_summary>" not in p.system_prompt_block()  # nothing yet
+        msgs = _tool_turn("open the app config", "c1", "conf/app.toml", {"content": "x=1"})
+        p.sync_turn(msgs[0]["content"], msgs[-1]["content"], session_id="s1", messages=msgs)
+        p.flush(WAIT_S)
+        block = p.system_prompt_block()
+        assert block.startswith(SYSTEM_PROMPT)
+        assert "<procedural_memory_summary>" in block and "read_file" in block
+    finally:
+        p.shutdown()
+    monkeypatch.delenv("HERMES_MEMORY_PROCEDURAL_SUMMARY")
+    q = HermesMemoryProvider()
+    q.initialize("s1", hermes_home=str(home), platform="cli")
+    try:
+        assert q.system_prompt_block() == SYSTEM_PROMPT  # off by default
+    finally:
+        q.shutdown()

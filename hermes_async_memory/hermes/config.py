@@ -24,7 +24,14 @@ from ..backends.honcho import ENV_PREFIX as HONCHO_PREFIX
 from ..backends.honcho import PRODUCTION_URL, RECALL_MODES, HonchoConfig
 from ..env import read_env
 from ..errors import ConfigurationError
-from ..settings import BACKENDS, ENV_PREFIX, KV_BACKENDS, Settings, auto_backend
+from ..settings import (
+    BACKENDS,
+    ENV_PREFIX,
+    KV_BACKENDS,
+    STRUCTURED_FIELDS,
+    Settings,
+    auto_backend,
+)
 
 PROVIDER_NAME = "hermes_async_memory"
 CONFIG_FILE = f"{PROVIDER_NAME}.json"
@@ -33,7 +40,7 @@ HOME_VARIABLE = "HERMES_HOME"
 _HOME_MARKERS = ("${HERMES_HOME}", "$HERMES_HOME")
 # Provider options that are not pipeline settings.
 DEFAULT_USER_ID = "default_user_id"
-_SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings)) - {"honcho"}
+_SETTING_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings)) - set(STRUCTURED_FIELDS)
 _PROVIDER_FIELDS = frozenset({DEFAULT_USER_ID})
 # The Honcho backend's options, as "honcho_<field>" keys (HONCHO_<FIELD> in the environment).
 HONCHO_KEY_PREFIX = "honcho_"
@@ -115,11 +122,11 @@ def resolve(hermes_home: Path, values: Mapping[str, Any],
     text = {name: _as_text(name, value) for name, value in values.items()
             if name != DEFAULT_USER_ID and value is not None and value != ""}
     try:
-        chosen = read_env(Settings, text, "", skip=("honcho",), upper=False)
+        chosen = read_env(Settings, text, "", skip=STRUCTURED_FIELDS, upper=False)
         honcho = read_env(HonchoConfig, text, HONCHO_KEY_PREFIX, upper=False)
     except ConfigurationError as exc:
         raise ConfigurationError(f"the provider config: {exc}") from None
-    from_env = read_env(Settings, environ, ENV_PREFIX, skip=("honcho",))
+    from_env = read_env(Settings, environ, ENV_PREFIX, skip=STRUCTURED_FIELDS)
     chosen.update(from_env)
     honcho.update(read_env(HonchoConfig, environ, HONCHO_PREFIX))
     db = chosen.get("db_path")

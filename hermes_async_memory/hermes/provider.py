@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import contextvars
+import dataclasses
 import json
 import threading
 from collections.abc import Callable, Coroutine, Mapping
@@ -38,6 +39,8 @@ from ..errors import (
 )
 from ..memory import MEMORY_SCHEMA, MEMORY_TOOL, call_memory_tool
 from ..memory.mirror import mirror_builtin_write, record_delegation
+from ..procedural.context import summary_block
+from ..procedural.tool import PROCEDURAL_SCHEMA, PROCEDURAL_TOOL, call_procedural_tool
 from ..settings import Settings
 from . import config as _config
 from .runtime import Runtime, acquire, release
@@ -65,6 +68,8 @@ READ_ONLY_CONTEXTS = frozenset({"cron", "subagent", "flush"})
 LOCAL_PLATFORMS = frozenset({"cli", "tui"})
 MEMORY_ACTIONS = frozenset({"add", "replace", "remove"})
 TOOL_TIMEOUT_S = 5.0
+# system_prompt_block is called as a session starts: its summary may not hold it up longer.
+SUMMARY_TIMEOUT_S = 1.0
 # on_pre_compress: the last few user messages of the span make the recall query; the search
 # is time-boxed because compression waits on it.
 PRE_COMPRESS_USER_MESSAGES = 4
@@ -184,7 +189,22 @@ class HermesMemoryProvider(_ProviderBase):
     # -- the turn path -----------------------------------------------------------------
 
     def system_prompt_block(self) -> str:
-        return SYSTEM_PROMPT
+        """The tools' instructions; with ``procedural_summary`` on, the user's tools' record
+        (compact) after them, when it can be read within SUMMARY_TIMEOUT_S."""
+        runtime = self._runtime
+        settings = runtime.settings if runtime is not None else None
+        if (runtime is None or settings is None or not settings.procedural_summary
+                or not settings.tool_log or settings.procedural_context is None):
+            return SYSTEM_PROMPT
+        user, context = self._user_id, settings.procedural_context
+        compact = dataclasses.replace(context, compact=True)
+        try:
+            block = runtime.call(lambda p: summary_block(p.procedural, user, compact),
+                                 SUMMARY_TIMEOUT_S)
+        except (HermesMemoryError, TimeoutError) as exc:
+            log.warning("procedural_summary_skipped", error=describe(exc))
+            return SYSTEM_PROMPT
+        return f"{SYSTEM_PROMPT}\n\n{block}" if block else SYSTEM_PROMPT
 
     def prefetch(self, query: str, *, session_id: str = "") -> str:
         """The session's cached block: recent turns plus the last recall ("" when none).
@@ -254,7 +274,9 @@ class HermesMemoryProvider(_ProviderBase):
     # -- tools -------------------------------------------------------------------------
 
     def get_tool_schemas(self) -> list[dict[str, Any]]:
-        return [SEARCH_SCHEMA, MEMORY_SCHEMA]
+        runtime = self._runtime
+        logged = runtime is None or runtime.settings is None or runtime.settings.tool_log
+        return [SEARCH_SCHEMA, MEMORY_SCHEMA, *([PROCEDURAL_SCHEMA] if logged else [])]
 
     def handle_tool_call(self, tool_name: str, args: dict[str, Any], **kwargs: Any) -> str:
         """Run a tool; the result (or the error) is a JSON string. Never raises."""
@@ -265,6 +287,13 @@ class HermesMemoryProvider(_ProviderBase):
                     lambda p: call_memory_tool(p.memory, user, args), TOOL_TIMEOUT_S)
             except (HermesMemoryError, TimeoutError) as exc:
                 return _json_error(f"{MEMORY_TOOL} failed: {type(exc).__name__}: {exc}")
+        if tool_name == PROCEDURAL_TOOL:
+            user = self._user_id
+            try:
+                return self._require_runtime().call(
+                    lambda p: call_procedural_tool(p.procedural, user, args), TOOL_TIMEOUT_S)
+            except (HermesMemoryError, TimeoutError) as exc:
+                return _json_error(f"{PROCEDURAL_TOOL} failed: {type(exc).__name__}: {exc}")
         if tool_name != SEARCH_TOOL:
             return _json_error(f"{PROVIDER_NAME} has no tool named {tool_name!r}")
         if not isinstance(args, Mapping):
