@@ -281,3 +281,18 @@ async def test_no_procedural_block_when_it_is_off(tmp_path: Path) -> None:
             timeout=10)
         assert "<procedural" not in mem.prefetch("", session_id="now", user_id="ann")
         assert await mem.procedural.search("ann")  # still logged
+
+
+async def test_an_imported_sessions_calls_are_logged_with_their_fixes(tmp_path: Path) -> None:
+    async with MemoryPipeline(Settings(db_path=tmp_path / "a.db")) as mem:
+        await write(mem, SESSION, session="moved")
+        lines = [line async for line in mem.sessions.export()]
+        before = sorted((c.call_id, c.ok, c.fixes is not None)
+                        for c in await mem.procedural.search("ann", limit=50))
+    async with MemoryPipeline(Settings(db_path=tmp_path / "b.db")) as mem:
+        await mem.sessions.import_lines(lines)
+        await mem.sessions.import_lines(lines)  # a second import changes nothing
+        calls = await mem.procedural.search("ann", limit=50)
+        assert sorted((c.call_id, c.ok, c.fixes is not None) for c in calls) == before
+        [fix] = await mem.procedural.fix_for("ann", "FileNotFoundError")
+        assert dict(fix.delta.changed) == {"path": ("src/mian.py", "src/main.py")}

@@ -255,7 +255,7 @@ class Batch:
                 script += op_statements(kv, replica if replica_kv else None)
             lifecycle = [t for t in self.ops if t.kind == OP_SESSION]
             if lifecycle:
-                script += session_statements(lifecycle, self.source, replica)
+                script += session_statements(lifecycle, self.source, replica, tool_log)
             script.append(ops_done(self.ops, now_sql))
         return script
 

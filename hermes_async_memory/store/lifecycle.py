@@ -42,6 +42,7 @@ from .sql import (
     sql_literal,
     where_equal,
 )
+from .tool_log import ToolLogConfig, session_log_statements
 
 _JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
@@ -166,10 +167,12 @@ DELETE FROM temp.import_fresh;
 
 
 def session_statements(ops: Sequence[Turn], default_source: str,
-                       replica: str | None = None) -> list[str]:
+                       replica: str | None = None, tool_log: ToolLogConfig | None = None
+                       ) -> list[str]:
     """The statements that apply lifecycle events ``ops``, in order, for a batch's
     transaction (their outbox keys are marked done with the batch's other operations); with
-    ``replica``, each event that changed its session also waits for that backend."""
+    ``replica``, each event that changed its session also waits for that backend; with
+    ``tool_log``, an import's tool calls are logged."""
     script = []
     for t in ops:
         op = parse_session(json.loads(t.payload), t.payload)
@@ -177,6 +180,8 @@ def session_statements(ops: Sequence[Turn], default_source: str,
         if op.action == "import":
             # Between the row and the messages: whether the messages go in is known there.
             script += [_import_row(op, default_source), waits, _import_messages(op)]
+            if tool_log is not None and op.messages and any(m[5] for m in op.messages):
+                script += session_log_statements(tool_log, sql_literal(op.session_id))
         else:
             script += [_statement(op, default_source), waits]
     return [s for s in script if s]

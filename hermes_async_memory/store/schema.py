@@ -171,6 +171,7 @@ CREATE TABLE IF NOT EXISTS tool_calls (
 );
 CREATE INDEX IF NOT EXISTS idx_tool_calls_user_tool ON tool_calls(user_id, tool, id);
 CREATE INDEX IF NOT EXISTS idx_tool_calls_user ON tool_calls(user_id, id);
+CREATE INDEX IF NOT EXISTS idx_tool_calls_session ON tool_calls(session_id, id);
 CREATE TABLE IF NOT EXISTS tool_log_counts (
     user_id TEXT PRIMARY KEY,
     n INTEGER NOT NULL

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import structlog
@@ -43,7 +43,7 @@ FROM (
            iif(t.id IS NULL, '[0,"no_result","the call was never answered",null]',
                hm_tool_outcome(t.content)) AS o,
            (SELECT substr(g.content, 1, 500) FROM messages AS g
-            WHERE g.session_id = c.session_id AND g.id > {start} AND g.id < c.message_id
+            WHERE g.session_id = c.session_id AND {g_new} AND g.id < c.message_id
               AND g.turn_key = c.turn_key AND g.role = 'user'
             ORDER BY g.id DESC LIMIT 1) AS goal
     FROM (
@@ -62,12 +62,12 @@ FROM (
              json_each(iif(json_valid(m.tool_calls), m.tool_calls, '[]')) AS e
         -- e.type first: no path is read from a value that is not an object (a malformed
         -- JSON error would fail the batch).
-        WHERE m.id > {start} AND m.tool_calls IS NOT NULL
+        WHERE {m_new} AND m.tool_calls IS NOT NULL
           AND CASE WHEN e.type = 'object'
                    THEN json_type(e.value, '$.function.name') = 'text' END
     ) AS c
     LEFT JOIN messages AS t
-        ON t.session_id = c.session_id AND t.id > {start} AND t.turn_key = c.turn_key
+        ON t.session_id = c.session_id AND {t_new} AND t.turn_key = c.turn_key
        AND t.role = 'tool' AND t.tool_call_id = c.call_id
 )
 WHERE true
@@ -85,23 +85,23 @@ UPDATE tool_calls SET fixes = (
       AND (f.user_id != '' OR f.session_id = tool_calls.session_id)
       AND f.arguments IS NOT tool_calls.arguments
     ORDER BY f.id DESC LIMIT 1)
-WHERE message_id > {start} AND ok = 1;
+WHERE {new} AND ok = 1 AND fixes IS NULL;
 UPDATE tool_calls SET fixed_by = (
-    SELECT min(s.id) FROM tool_calls AS s WHERE s.message_id > {start} AND s.fixes = tool_calls.id)
-WHERE id IN (SELECT fixes FROM tool_calls WHERE message_id > {start} AND fixes IS NOT NULL);
+    SELECT min(s.id) FROM tool_calls AS s WHERE {s_new} AND s.fixes = tool_calls.id)
+WHERE id IN (SELECT fixes FROM tool_calls WHERE {new} AND fixes IS NOT NULL);
 UPDATE tool_calls SET fixes = NULL
-WHERE message_id > {start} AND fixes IS NOT NULL
+WHERE {new} AND fixes IS NOT NULL
   AND id IS NOT (SELECT f.fixed_by FROM tool_calls AS f WHERE f.id = tool_calls.fixes);
 """
 # Each user's log keeps its newest {limit} calls; a user's count is kept beside it, and the
 # trim (a walk of {limit} index entries) runs once the count passes the bound by a tenth.
 TRIM = """
 INSERT INTO tool_log_counts (user_id, n)
-SELECT user_id, count(*) FROM tool_calls WHERE message_id > {start} GROUP BY user_id
+SELECT user_id, count(*) FROM tool_calls WHERE {new} GROUP BY user_id
 ON CONFLICT (user_id) DO UPDATE SET n = tool_log_counts.n + excluded.n;
 DELETE FROM tool_calls WHERE id IN (
     SELECT t.id FROM tool_log_counts AS c JOIN tool_calls AS t ON t.user_id = c.user_id
-    WHERE c.user_id IN (SELECT user_id FROM tool_calls WHERE message_id > {start})
+    WHERE c.user_id IN (SELECT user_id FROM tool_calls WHERE {new})
       AND c.n > {limit} + {slack}
       AND t.id <= (SELECT x.id FROM tool_calls AS x WHERE x.user_id = c.user_id
                    ORDER BY x.id DESC LIMIT 1 OFFSET {limit}));
@@ -122,11 +122,27 @@ class ToolLogConfig(NamedTuple):
 def log_statements(config: ToolLogConfig, start: str) -> list[str]:
     """The statements that log a batch's tool calls, given the SQL for the id before the
     batch's first message."""
+    return _statements(config, lambda alias: f"{alias}.id > {start}",
+                       f"message_id > {start}")
+
+
+def session_log_statements(config: ToolLogConfig, session_literal: str) -> list[str]:
+    """The statements that log the tool calls of a whole session (an imported one, whose
+    message ids are its own): calls already logged stay as they are."""
+    return _statements(config, lambda alias: f"{alias}.session_id = {session_literal}",
+                       f"session_id = {session_literal}")
+
+
+def _statements(config: ToolLogConfig, messages: Callable[[str], str], new: str
+                ) -> list[str]:
+    """``messages(alias)``: the SQL condition on the messages to log; ``new``: the same on
+    the log's rows (its ``message_id`` or ``session_id``)."""
     limit = int(config.max_per_user)
     return [
-        INSERT_CALLS.format(start=start),
-        MARK_FIXES.format(start=start, window=repr(float(config.fix_window_s))),
-        TRIM.format(start=start, limit=limit, slack=max(1, limit // 10)),
+        INSERT_CALLS.format(m_new=messages("m"), g_new=messages("g"), t_new=messages("t")),
+        MARK_FIXES.format(new=new, s_new="s." + new,
+                          window=repr(float(config.fix_window_s))),
+        TRIM.format(new=new, limit=limit, slack=max(1, limit // 10)),
     ]
 
 
