@@ -1,5 +1,5 @@
 """Operations: records that travel the outbox beside turns, ordered in lanes as turns are in
-their sessions. Two kinds:
+their sessions. Three kinds:
 
 - a key-value write (``OP_KV``): put or delete one entry of a user's memory, in the lane
   ``lane_of(user)``;
@@ -8,6 +8,10 @@ their sessions. Two kinds:
   system prompt, parent, source), ``end`` (with a reason) and ``delete`` (optionally only if
   the session ended before a cut-off and holds nothing newer: prune's form). A delete that
   trails a pending turn removes that turn too; it can never be brought back by it.
+- a warm-start template write (``OP_TEMPLATE``), all in the one lane
+  ``lane_of_templates()``, so they commit in the order they were accepted: ``put`` (a
+  template's JSON document), ``delete``, ``use`` (a session started from a template, or
+  cold) and ``outcome`` (how such a session ended).
 
 This module owns the record's format: encoding it (on the caller's thread, like a turn's),
 and reading it back with its checks (``parse_kv``), for the writer's decode, the store's
@@ -21,10 +25,19 @@ from collections.abc import Mapping
 from json.encoder import encode_basestring_ascii as _esc
 from typing import Any, NamedTuple
 
+from .templates.model import InvalidTemplateError, Template
+
 OP_KV = "kv"
 OP_SESSION = "session"
-OP_KINDS = frozenset({OP_KV, OP_SESSION})
+OP_TEMPLATE = "template"
+OP_KINDS = frozenset({OP_KV, OP_SESSION, OP_TEMPLATE})
 SESSION_ACTIONS = frozenset({"describe", "end", "delete", "import"})
+TEMPLATE_ACTIONS = frozenset({"put", "delete", "use", "outcome"})
+# How a template's put meets a template already stored under its name: "save" replaces its
+# content and keeps its usage and outcome counts; "keep" leaves it as it is (an import);
+# "auto" also inserts nothing when a template of the same task type has the same examples
+# or the same source session (automatic creation's deduplication, exact in lane order).
+PUT_MODES = frozenset({"save", "keep", "auto"})
 # An imported message: id, turn key, ordinal, role, content, tool calls (JSON text), tool call
 # id, tool name, timestamp, user id, metadata (JSON text), token count; as exported, ids kept.
 IMPORTED_MESSAGE_FIELDS = 12
@@ -75,9 +88,31 @@ class SessionOp(NamedTuple):
     snapshot: dict[str, Any] | None = None  # a replica row's copy: the row after the event
 
 
+class TemplateOp(NamedTuple):
+    """A template write as read back from its record."""
+
+    record_key: str
+    lane: str
+    accepted_at: float
+    action: str  # "put", "delete", "use" or "outcome"
+    name: str | None  # the template; None for a cold start and its outcome
+    document: dict[str, Any] | None = None  # put: the template's JSON document
+    mode: str = "save"  # put: ``PUT_MODES``
+    session_id: str | None = None  # use, outcome
+    task_type: str | None = None  # use, outcome: the session's
+    ok: bool | None = None  # outcome: a success
+    first_calls: int = 0  # outcome: tool calls in the session's first turns
+    first_errors: int = 0  # outcome: of those, failures
+
+
 def lane_of(user_id: str) -> str:
     """The lane a user's key-value writes are ordered in."""
     return f"{LANE_MARK}kv{LANE_MARK}{user_id}"
+
+
+def lane_of_templates() -> str:
+    """The one lane every template write is ordered in."""
+    return f"{LANE_MARK}templates"
 
 
 def encode_put(record_key: str, user_id: str, accepted_at: float, key: str, value: str,
@@ -118,6 +153,70 @@ def encode_session_op(record_key: str, session_id: str, user_id: str | None,
                     "st": started_at})
     payload = _ENCODER.encode(doc)
     return payload.replace("'", "\\u0027") if "'" in payload else payload
+
+
+def encode_template_op(record_key: str, accepted_at: float, action: str, *,
+                       name: str | None = None, document: Mapping[str, Any] | None = None,
+                       mode: str = "save", session_id: str | None = None,
+                       task_type: str | None = None, ok: bool | None = None,
+                       first_calls: int = 0, first_errors: int = 0) -> str:
+    """A template write's record (compact ASCII JSON, ' as \\u0027). Checked by the caller;
+    ``parse_template`` reads it back."""
+    doc: dict[str, Any] = {"x": OP_TEMPLATE, "k": record_key, "s": lane_of_templates(),
+                           "t": accepted_at, "o": action, "n": name}
+    if action == "put":
+        doc.update({"d": None if document is None else dict(document), "m": mode})
+    elif action in ("use", "outcome"):
+        doc.update({"sid": session_id, "tt": task_type})
+        if action == "outcome":
+            doc.update({"ok": ok, "fc": first_calls, "fe": first_errors})
+    payload = _ENCODER.encode(doc)
+    return payload.replace("'", "\\u0027") if "'" in payload else payload
+
+
+def parse_template(doc: Mapping[str, Any], payload: str) -> TemplateOp:
+    """The template write a record's JSON holds; a put's document is read as a template.
+
+    Raises:
+        ValueError, TypeError, KeyError: not a well-formed template write (an unreadable
+            document is an ``InvalidTemplateError``, a ValueError).
+    """
+    record_key, lane, at, action, name = doc["k"], doc["s"], doc["t"], doc["o"], doc["n"]
+    if type(record_key) is not str or lane != lane_of_templates():
+        raise TypeError("the template write's key or lane is wrong")
+    if not isinstance(at, (int, float)) or isinstance(at, bool):
+        raise TypeError("the template write's time is not a number")
+    if action not in TEMPLATE_ACTIONS:
+        raise ValueError(f"unknown template action {action!r:.20}")
+    if name is not None and type(name) is not str:
+        raise TypeError("the template's name is not a string")
+    if "\\u0000" in payload:
+        raise ValueError("the template write holds U+0000")
+    if action in ("put", "delete") and not name:
+        raise ValueError(f"a template {action} needs a name")
+    if action == "put":
+        document, mode = doc["d"], doc["m"]
+        if mode not in PUT_MODES:
+            raise ValueError(f"unknown put mode {mode!r:.20}")
+        if Template.from_dict(document).name != name:
+            raise InvalidTemplateError("the document names another template")
+        # A lone surrogate (no UTF-8 store can hold one) raises UnicodeEncodeError.
+        json.dumps(document, ensure_ascii=False).encode("utf-8")
+        return TemplateOp(record_key, lane, float(at), action, name, document, mode)
+    if action == "delete":
+        return TemplateOp(record_key, lane, float(at), action, name)
+    session_id, task_type = doc["sid"], doc["tt"]
+    if type(session_id) is not str or not session_id or type(task_type) is not str:
+        raise TypeError("the template write's session id or task type is not a string")
+    if action == "use":
+        return TemplateOp(record_key, lane, float(at), action, name, session_id=session_id,
+                          task_type=task_type)
+    ok, calls, errors = doc["ok"], doc["fc"], doc["fe"]
+    if type(ok) is not bool or type(calls) is not int or type(errors) is not int or not (
+            0 <= errors <= calls):
+        raise TypeError("the outcome's result or counts are mistyped")
+    return TemplateOp(record_key, lane, float(at), action, name, session_id=session_id,
+                      task_type=task_type, ok=ok, first_calls=calls, first_errors=errors)
 
 
 def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
@@ -200,7 +299,7 @@ def parse_kv(doc: Mapping[str, Any], payload: str) -> KvOp:
     return KvOp(record_key, lane, user_id, float(at), action, key, value, metadata or None)
 
 
-def parse_op(doc: Mapping[str, Any], payload: str) -> KvOp | SessionOp:
+def parse_op(doc: Mapping[str, Any], payload: str) -> KvOp | SessionOp | TemplateOp:
     """The operation a record's JSON (with an ``x`` field) holds.
 
     Raises:
@@ -211,6 +310,8 @@ def parse_op(doc: Mapping[str, Any], payload: str) -> KvOp | SessionOp:
         return parse_kv(doc, payload)
     if kind == OP_SESSION:
         return parse_session(doc, payload)
+    if kind == OP_TEMPLATE:
+        return parse_template(doc, payload)
     raise ValueError(f"unknown record kind {kind!r:.40}")
 
 
@@ -224,4 +325,11 @@ def parse_session_record(payload: str) -> SessionOp | None:
     """The lifecycle event ``payload`` holds, or None for a record of another kind."""
     doc = json.loads(payload)
     return (parse_session(doc, payload) if type(doc) is dict and doc.get("x") == OP_SESSION
+            else None)
+
+
+def parse_template_record(payload: str) -> TemplateOp | None:
+    """The template write ``payload`` holds, or None for a record of another kind."""
+    doc = json.loads(payload)
+    return (parse_template(doc, payload) if type(doc) is dict and doc.get("x") == OP_TEMPLATE
             else None)

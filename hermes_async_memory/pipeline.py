@@ -51,6 +51,7 @@ from .settings import Settings
 from .stats import Meter, PipelineStats
 from .store import SqliteStore, ToolLogConfig
 from .supervisor import DISK_FULL, Conditions, Health
+from .templates.store import TemplateStore
 from .turns import Receipt, check_id, encode_turn
 
 log = structlog.get_logger(__name__)
@@ -108,6 +109,8 @@ class MemoryPipeline:
         # The session store: its reads, and its lifecycle writes through the same outbox.
         self.procedural = ProceduralMemory(self.store)  # the tool-call log's reads
         self.sessions = SessionStore(self)
+        # Warm-start templates, their writes through the same outbox (``templates.store``).
+        self.templates = TemplateStore(self)
         self._parts: Parts | None = None
         self._state = NEW
         self._failure: PipelineFailedError | None = None

@@ -18,6 +18,7 @@ from .env import read_env
 from .errors import ConfigurationError
 from .procedural.extract import OutcomeRules
 from .procedural.format import ContextSettings
+from .templates.model import TemplateSettings
 
 OverflowPolicy = Literal["defer", "reject"]
 OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("defer", "reject")
@@ -31,7 +32,7 @@ ROLES: tuple[Role, ...] = ("embedded", "producer", "worker")
 APP_NAME = "hermes-async-memory"
 # Fields set in code only, never from text (the environment or a config file): structured
 # values; Honcho's come from HONCHO_* variables through HonchoConfig.
-STRUCTURED_FIELDS = ("honcho", "tool_outcome_rules", "procedural_context")
+STRUCTURED_FIELDS = ("honcho", "tool_outcome_rules", "procedural_context", "templates")
 ENV_PREFIX = "HERMES_MEMORY_"
 MIB = 1024 * 1024
 
@@ -125,6 +126,10 @@ class Settings:
     # their budget; None: no block.
     procedural_context: ContextSettings | None = field(
         default_factory=lambda: ContextSettings(max_chars=1200))
+    # Warm-start templates (``pipeline.templates``): classification, extraction, choice, the
+    # outcome rules of a session started from one, automatic creation (off by default).
+    # From HERMES_MEMORY_TEMPLATE_* variables in from_env (``TemplateSettings.from_env``).
+    templates: TemplateSettings = field(default_factory=TemplateSettings)
     # The Hermes provider's system prompt block also carries a compact summary of the user's
     # tools (their success rates and frequent errors).
     procedural_summary: bool = False
@@ -190,7 +195,8 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
-        """Read ``HERMES_MEMORY_<FIELD>`` variables (e.g. ``HERMES_MEMORY_DB_PATH``), and with
+        """Read ``HERMES_MEMORY_<FIELD>`` variables (e.g. ``HERMES_MEMORY_DB_PATH``), the
+        ``HERMES_MEMORY_TEMPLATE_*`` ones (see ``TemplateSettings``), and with
         ``HERMES_MEMORY_BACKEND=honcho`` the ``HONCHO_*`` ones (see ``HonchoConfig``).
 
         Raises:
@@ -202,6 +208,8 @@ class Settings:
         values.setdefault("backend", auto_backend(values, env))
         if values.get("backend") == "honcho" and values.get("honcho") is None:
             values["honcho"] = HonchoConfig.from_env(env)
+        if "templates" not in values:
+            values["templates"] = TemplateSettings.from_env(env)
         return cls(**values)  # type: ignore[arg-type]
 
 

@@ -10,7 +10,7 @@ from json.encoder import encode_basestring_ascii
 from typing import Any, NamedTuple
 
 from .errors import InvalidTurnError
-from .ops import LANE_MARK, OP_KV, OP_SESSION, KvOp, parse_op
+from .ops import LANE_MARK, OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, TemplateOp, parse_op
 
 # One stored message: (role, content, tool_calls_json, tool_call_id, tool_name), and its
 # token count after those when it reported one (the record leaves it out otherwise).
@@ -75,7 +75,8 @@ class Turn(NamedTuple):
     has_nul: bool
     # What the record is: a turn (TURN), or an operation through the same durable path (a
     # key-value write, ``ops.OP_KV``, in its user's lane; a session lifecycle event,
-    # ``ops.OP_SESSION``, in its session's): no messages, and its lane for session id.
+    # ``ops.OP_SESSION``, in its session's; a template write, ``ops.OP_TEMPLATE``, in the
+    # templates' lane): no messages, and its lane for session id.
     kind: str = "turn"
 
     @classmethod
@@ -170,9 +171,15 @@ class Turn(NamedTuple):
         """An operation's record (``ops``), checked here as a turn's is: a record no part
         can apply is dead-lettered at decode and never reaches a commit."""
         op = parse_op(doc, payload)
-        lane, kind = (op.lane, OP_KV) if isinstance(op, KvOp) else (op.session_id, OP_SESSION)
+        user: str | None = None
+        if isinstance(op, KvOp):
+            lane, kind, user = op.lane, OP_KV, op.user_id
+        elif isinstance(op, TemplateOp):
+            lane, kind = op.lane, OP_TEMPLATE
+        else:
+            lane, kind, user = op.session_id, OP_SESSION, op.user_id
         return tuple.__new__(cls, (
-            op.record_key, seq, lane, op.user_id, op.accepted_at, payload, len(payload),
+            op.record_key, seq, lane, user, op.accepted_at, payload, len(payload),
             segment, 0, 0, "", "", None, None, None, 0, 0, False, kind))
 
     def encode(self) -> bytes:

@@ -6,6 +6,9 @@ MODE "accept": accept forever. "tools": accept forever, each turn with two tool 
 (``c<i>a`` fails on odd ``i``, ``c<i>b`` succeeds), in Hermes's message format. "kv":
 key-value writes forever, for three users: each step
 ``i`` stores ``k<i>`` and then ``counter`` = i, and every third step deletes ``k<i-1>``.
+"templates": template writes forever: each step ``i`` saves ``t<i>``, starts session
+``s<i>`` from it twice (the second start changes nothing), and every third step deletes
+``t<i-1>``; one receipt line per step, printed once all of the step's records are accepted.
 "in-commit": the first batch's transaction stays open (the
 writer is stuck inside it) while accepting goes on. "after-commit": the first batch commits,
 then the writer stops before the outbox learns it. Each receipt line is printed only after
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.store import Batch, SqliteStore
+from hermes_async_memory.templates import Example, Template
 
 
 class FrozenStore(SqliteStore):
@@ -48,6 +52,8 @@ async def main(db: str, mode: str) -> None:
     async with MemoryPipeline(settings, store=FrozenStore(Path(db), mode)) as mem:
         if mode == "kv":
             await key_values(mem)
+        if mode == "templates":
+            await templates(mem)
         i = 0
         while True:
             session = f"s{i % 7}"
@@ -86,6 +92,26 @@ async def key_values(mem: MemoryPipeline) -> None:
             if i % 3 == 2:
                 mem.memory.delete_nowait(user, f"k{i - 1}")
             sys.stdout.write(f"ACK {r.key} {user} {i}\n")
+        sys.stdout.flush()
+        i += 1
+        if i % 10 == 0:
+            await asyncio.sleep(0)
+
+
+def template_of(i: int) -> Template:
+    return Template(name=f"t{i}", task_type="code", source_session_id=f"src{i}",
+                    examples=(Example("terminal", {"command": f"ls {i}"}, "ok", f"c{i}"),))
+
+
+async def templates(mem: MemoryPipeline) -> None:
+    i = 0
+    while True:
+        r = mem.templates.save_nowait(template_of(i))
+        mem.templates.start_nowait(f"s{i}", f"t{i}", "code")
+        mem.templates.start_nowait(f"s{i}", f"t{i}", "code")
+        if i % 3 == 2:
+            mem.templates.delete_nowait(f"t{i - 1}")
+        sys.stdout.write(f"ACK {r.key} t{i} {i}\n")
         sys.stdout.flush()
         i += 1
         if i % 10 == 0:

@@ -5,7 +5,8 @@ they hold: ``connections`` (opening, pragmas, closing), ``schema`` (tables and m
 ``batch`` (one group commit's statements), ``messages`` (messages and sessions),
 ``memories`` (key-value memory), ``lifecycle`` (session lifecycle events), ``keys``
 (done keys), ``inbox`` (the shared inbox), ``recalls`` (recall requests and results),
-``replica`` (the replica outbox), ``tool_log`` (procedural memory's tool calls) and
+``replica`` (the replica outbox), ``tool_log`` (procedural memory's tool calls),
+``templates`` (warm-start templates and the sessions started from them) and
 ``dead_letters``; ``sql`` holds the helpers they share.
 ``inspect.StoreReader`` reads a store file read-only and synchronously, for the admin CLI.
 """
@@ -25,11 +26,12 @@ from .replica import ReplicaOutbox, ReplicaRow
 from .schema import SCHEMA, SCHEMA_VERSION
 from .sessions import SessionQueries
 from .sql import sql_literal
+from .templates import Templates
 from .tool_log import CallRow, ToolLog, ToolLogConfig
 
 
 class SqliteStore(Messages, Memories, Lifecycle, DoneKeys, Inbox, Recalls, ReplicaOutbox,
-                  DeadLetters, SessionQueries, ToolLog):
+                  DeadLetters, SessionQueries, ToolLog, Templates):
     """The system of record. ``open()`` before use, ``aclose()`` after.
 
     One class over the parts, each a table's reads and writes on the connections they

@@ -10,11 +10,12 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ..ops import OP_KV, OP_SESSION
+from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE
 from ..turns import TURN, Turn
 from .lifecycle import session_statements
 from .memories import op_statements, ops_done
 from .sql import sql_literal
+from .templates import template_statements
 from .tool_log import ToolLogConfig, log_statements
 
 # A big token count is written as an integer and read back by SQLite as a real, as the old
@@ -113,7 +114,7 @@ class Batch:
         # Turns claimed from the shared inbox: their rows, and the lease they are under.
         self.inbox_ids: list[int] = []
         self.lease_owner: str | None = None
-        self.ops: list[Turn] = []  # key-value records, in batch order
+        self.ops: list[Turn] = []  # operations' records, in batch order
 
     @classmethod
     def of(cls, turns: Sequence[Turn], source: str) -> Batch:
@@ -230,9 +231,10 @@ class Batch:
         """What the batch's transaction runs after inserting its messages: the replica
         outbox rows, the FTS index, the sessions, the tool-call log (when ``tool_log`` and
         some turn has tool calls), and the outbox keys marked 'done'; then
-        the key-value records (with replica rows of their own when ``replica_kv``) and the
+        the key-value records (with replica rows of their own when ``replica_kv``), the
         session lifecycle events (with replica rows of their own whenever there is a
-        ``replica``), in batch order, and their keys marked 'done'."""
+        ``replica``) and the template records (local only), each kind in batch order, and
+        their keys marked 'done'."""
         # The batch's messages are the last n_messages rows once inserted: ids are
         # consecutive inside the transaction.
         start = f"((SELECT max(id) FROM messages) - {int(self.n_messages)})"
@@ -256,6 +258,9 @@ class Batch:
             lifecycle = [t for t in self.ops if t.kind == OP_SESSION]
             if lifecycle:
                 script += session_statements(lifecycle, self.source, replica, tool_log)
+            templates = [t for t in self.ops if t.kind == OP_TEMPLATE]
+            if templates:
+                script += template_statements(templates)
             script.append(ops_done(self.ops, now_sql))
         return script
 

@@ -14,7 +14,8 @@ from ..errors import StoreError
 #    estimated, messages their reported token count (added columns); sessions are listed by
 #    source.
 # 5: the tool-call log (tool_calls, tool_log_counts); new tables only.
-SCHEMA_VERSION = 5
+# 6: warm-start templates (templates, template_sessions); new tables only.
+SCHEMA_VERSION = 6
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -180,6 +181,41 @@ CREATE TRIGGER IF NOT EXISTS tool_calls_message_delete AFTER DELETE ON messages
 WHEN old.tool_calls IS NOT NULL BEGIN
     DELETE FROM tool_calls WHERE message_id = old.id;
 END;
+-- Warm-start templates: written only by commits of template records (store.templates).
+-- The counts are the store's evidence; the document holds the rest (its own counts are
+-- those it was put with). signature: the set of its examples' (tool, arguments), hashed.
+CREATE TABLE IF NOT EXISTS templates (
+    name TEXT PRIMARY KEY,
+    task_type TEXT NOT NULL,
+    tags TEXT NOT NULL,  -- JSON list, normalized (templates.model.normalize_tags)
+    description TEXT NOT NULL,
+    source_session_id TEXT NOT NULL,
+    document TEXT NOT NULL,  -- JSON (templates.Template.to_dict)
+    signature TEXT NOT NULL,
+    usage_count INTEGER NOT NULL DEFAULT 0,
+    successes INTEGER NOT NULL DEFAULT 0,
+    failures INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idx_templates_type ON templates(task_type, signature);
+-- A choice's order (store.templates.CANDIDATES), walked from its best until enough qualify.
+CREATE INDEX IF NOT EXISTS idx_templates_rank ON templates(
+    task_type, (CAST(successes AS REAL) / max(successes + failures, 1)) DESC, usage_count,
+    (successes + failures) DESC, name);
+-- A session started warm (template) or cold (NULL), and how it ended: the warm vs cold
+-- numbers per task type. ok is NULL until it ends; first_* count its first turns' calls.
+CREATE TABLE IF NOT EXISTS template_sessions (
+    session_id TEXT PRIMARY KEY,
+    template TEXT,
+    task_type TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    ok INTEGER,
+    first_calls INTEGER NOT NULL DEFAULT 0,
+    first_errors INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idx_template_sessions_type ON template_sessions(task_type);
 CREATE TRIGGER IF NOT EXISTS memories_fts_insert AFTER INSERT ON memories BEGIN
     INSERT INTO memories_fts(rowid, key, value, scope)
     VALUES (new.id, new.key, new.value, new.scope);
@@ -241,7 +277,7 @@ async def migrate(db: aiosqlite.Connection, path: Path) -> None:
     elif row[0] < SCHEMA_VERSION:
         if row[0] < 2:
             await _rekey_recalls(db)
-        # Versions 3 to 5 only added tables, indexes and columns: the schema script and
+        # Versions 3 to 6 only added tables, indexes and columns: the schema script and
         # add_missing_columns make them.
         await db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
     await add_missing_columns(db)
@@ -291,7 +327,8 @@ async def check_tables(db: aiosqlite.Connection) -> None:
     for query in ("SELECT max(rowid) FROM sessions", "SELECT max(id) FROM messages",
                   "SELECT max(key) FROM outbox", "SELECT max(id) FROM inbox",
                   "SELECT max(id) FROM replica_outbox", "SELECT max(id) FROM memories",
-                  "SELECT max(id) FROM tool_calls"):
+                  "SELECT max(id) FROM tool_calls", "SELECT max(name) FROM templates",
+                  "SELECT max(session_id) FROM template_sessions"):
         async with db.execute(query) as cur:
             await cur.fetchone()
 

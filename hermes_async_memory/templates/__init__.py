@@ -7,7 +7,9 @@
     Template ──► warm_messages (chat messages to send) ── validate_chat checks them
              └─► warm_text (one bounded <warm_start> block for text-only clients)
 
-Pure functions over data: no database, no I/O. Storage and the CLI build on this.
+Pure functions over data: no database, no I/O. Storage and the CLI build on this:
+``templates.store.TemplateStore`` (``pipeline.templates``) keeps templates in the store
+through the durable path, and records how the sessions started from them end.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from .model import (
     InvalidChatError,
     InvalidTemplateError,
     Template,
+    TemplateExistsError,
     TemplateSettings,
+    UnknownTemplateError,
 )
 
 __all__ = [
@@ -44,7 +48,9 @@ __all__ = [
     "InvalidChatError",
     "InvalidTemplateError",
     "Template",
+    "TemplateExistsError",
     "TemplateSettings",
+    "UnknownTemplateError",
     "choose",
     "classify",
     "classify_tools",

@@ -3,6 +3,8 @@ and statistics, its JSON document, and the errors of this package.
 
     InvalidTurnError (errors.py)   input refused before anything was stored
     ├── InvalidTemplateError       a template document or a template's field is unusable
+    │   ├── UnknownTemplateError   no template of that name is stored
+    │   └── TemplateExistsError    a template of that name is stored already
     └── InvalidChatError           a message list would not validate as a chat request
 """
 
@@ -48,6 +50,14 @@ class InvalidTemplateError(InvalidTurnError):
     """A template document cannot be read, or a template's field is unusable."""
 
 
+class UnknownTemplateError(InvalidTemplateError):
+    """No template of that name is stored."""
+
+
+class TemplateExistsError(InvalidTemplateError):
+    """A template of that name is stored already (and replacing it was not asked for)."""
+
+
 class InvalidChatError(InvalidTurnError):
     """A message list would not validate as an OpenAI chat completion request.
 
@@ -75,9 +85,15 @@ def parse_families(text: str) -> dict[str, tuple[str, ...]]:
     return out
 
 
+def parse_words(text: str) -> tuple[str, ...]:
+    """``"error, failed,crash"`` as ``("error", "failed", "crash")`` (lower-cased)."""
+    return tuple(w.strip().lower() for w in text.split(",") if w.strip())
+
+
 @dataclass(frozen=True)
 class TemplateSettings:
-    """How sessions are classified, what a template keeps, and when one is chosen."""
+    """How sessions are classified, what a template keeps, when one is chosen, how a
+    session's outcome is judged, and when a session becomes a template by itself."""
 
     threshold: float = 0.6  # share of a session's tool calls its dominant family holds
     families: Mapping[str, tuple[str, ...]] = field(
@@ -88,6 +104,17 @@ class TemplateSettings:
     max_context_chars: int = 4000  # of the source session's system messages
     min_evidence: int = 3  # ended sessions before a template's success rate counts
     min_success_rate: float = 0.5  # a template chosen must have at least this rate
+    # A session's outcome, in this order: explicit feedback; an end reason in
+    # failure_reasons (case aside) is a failure; a share of failed tool calls above
+    # max_error_rate is a failure; else a success.
+    failure_reasons: tuple[str, ...] = field(
+        default=("error", "failed", "aborted", "crash"), metadata={PARSE: parse_words})
+    max_error_rate: float = 0.5
+    first_turns: int = 3  # warm vs cold compares the tool error rate of this many turns
+    # When on, a session that ends a success with at least auto_min_calls successful tool
+    # calls becomes a template, unless one of its task type has the same examples or source.
+    auto_create: bool = False
+    auto_min_calls: int = 3
 
     def __post_init__(self) -> None:
         if not (isinstance(self.threshold, (int, float)) and 0.0 < self.threshold <= 1.0):
@@ -96,8 +123,22 @@ class TemplateSettings:
                 and 0.0 <= self.min_success_rate <= 1.0):
             raise ConfigurationError(
                 f"min_success_rate must be in [0, 1], got {self.min_success_rate!r}")
+        if not (isinstance(self.max_error_rate, (int, float))
+                and not isinstance(self.max_error_rate, bool)
+                and 0.0 <= self.max_error_rate <= 1.0):
+            raise ConfigurationError(
+                f"max_error_rate must be in [0, 1], got {self.max_error_rate!r}")
+        if not isinstance(self.auto_create, bool):
+            raise ConfigurationError(f"auto_create must be a bool, got {self.auto_create!r}")
+        reasons = self.failure_reasons
+        if isinstance(reasons, str) or not isinstance(reasons, (tuple, list, frozenset)) or (
+                not all(isinstance(r, str) for r in reasons)):
+            raise ConfigurationError(
+                f"failure_reasons must be a sequence of strings, got {reasons!r}")
+        object.__setattr__(self, "failure_reasons",
+                           tuple(dict.fromkeys(r.strip().lower() for r in reasons if r.strip())))
         for name in ("max_examples", "user_pattern_messages", "max_markers",
-                     "max_context_chars", "min_evidence"):
+                     "max_context_chars", "min_evidence", "first_turns", "auto_min_calls"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}")
@@ -107,7 +148,8 @@ class TemplateSettings:
     def from_env(cls, environ: Mapping[str, str] | None = None,
                  **overrides: object) -> TemplateSettings:
         """Read ``HERMES_MEMORY_TEMPLATE_<FIELD>`` variables (``..._FAMILIES`` as
-        ``code:terminal,run_*;file:read_file``).
+        ``code:terminal,run_*;file:read_file``, ``..._FAILURE_REASONS`` as
+        ``error,failed``).
 
         Raises:
             ConfigurationError: a variable does not parse, or a value is out of range.
