@@ -5,6 +5,8 @@
     hermes-memory search                                      (cli.search)
     hermes-memory sessions list | show | conversation | chain | counts | export | import |
                            end | delete | prune               (cli.sessions)
+    hermes-memory templates list | extract | show | test | delete | stats | export |
+                            import                    (cli.templates)
     hermes-memory dead-letters list | replay                  (cli.dead_letters)
     hermes-memory eval                                        (cli.evaluate)
     hermes-memory hermes install                              (hermes.install)
@@ -81,6 +83,7 @@ _COMMAND_MODULES = (
     "hermes_async_memory.cli.status",
     "hermes_async_memory.cli.search",
     "hermes_async_memory.cli.sessions",
+    "hermes_async_memory.cli.templates",
     "hermes_async_memory.cli.dead_letters",
     "hermes_async_memory.cli.evaluate",
     "hermes_async_memory.hermes.install",

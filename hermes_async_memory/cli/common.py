@@ -16,17 +16,19 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import EXIT_FAILURE, EXIT_USAGE, PROG, fail
 
 if TYPE_CHECKING:
+    from ..pipeline import MemoryPipeline
     from ..sessions.reads import FileSessionReads
     from ..settings import Settings
     from ..store.inspect import StoreReader
+    from ..templates.store import TemplateReads
 
 EXIT_OK = 0
 ERROR_PREVIEW_CHARS = 100
@@ -137,6 +139,40 @@ def session_reads(settings: Settings) -> AbstractAsyncContextManager[FileSession
         raise store_error(f"no memory store at {settings.db_path} (give --db PATH or set "
                           "HERMES_MEMORY_DB_PATH)")
     return open_session_reads(settings.db_path, busy_timeout_ms=settings.busy_timeout_ms)
+
+
+def template_reads(settings: Settings) -> AbstractAsyncContextManager[TemplateReads]:
+    """The templates' reads on the store file, read-only (``open_template_reads``).
+
+    Raises:
+        StoreError: no such file, not a store of ours, another version, unreadable.
+    """
+    from ..templates.store import open_template_reads
+
+    if not settings.db_path.exists():
+        raise store_error(f"no memory store at {settings.db_path} (give --db PATH or set "
+                          "HERMES_MEMORY_DB_PATH)")
+    return open_template_reads(settings.db_path, settings.templates,
+                               busy_timeout_ms=settings.busy_timeout_ms)
+
+
+@asynccontextmanager
+async def writing(settings: Settings) -> AsyncIterator[MemoryPipeline]:
+    """The store's pipeline for a write; when a worker process holds the store's outbox, a
+    producer that hands the write to that worker through the shared inbox."""
+    from ..outbox.log import OutboxBusyError
+    from ..pipeline import MemoryPipeline
+
+    try:
+        pipeline = MemoryPipeline(settings)
+        await pipeline.start()
+    except OutboxBusyError:
+        pipeline = MemoryPipeline(settings.replace(role="producer"))
+        await pipeline.start()
+    try:
+        yield pipeline
+    finally:
+        await pipeline.aclose()
 
 
 def when(ts: float | None) -> str:

@@ -23,17 +23,15 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import anyio
 
 from ..errors import ConfigurationError
 from ..extras import require
-from ..outbox.log import OutboxBusyError
-from ..settings import Settings
 from . import PROG
 from .common import (
     EXIT_OK,
@@ -49,10 +47,8 @@ from .common import (
     store_error,
     table,
     when,
+    writing,
 )
-
-if TYPE_CHECKING:
-    from ..pipeline import MemoryPipeline
 
 DEFAULT_LIST_LIMIT = 50
 PROMPT_WIDTH = 100  # characters of the system prompt that ``show`` prints
@@ -323,7 +319,7 @@ def _sessions_import(args: argparse.Namespace) -> int:
                         yield line
                         advance()
 
-                async with _writing(settings_of(args)) as mem:
+                async with writing(settings_of(args)) as mem:
                     result = await import_sessions(mem, lines())
         finally:
             if path is not None:
@@ -341,7 +337,7 @@ def _sessions_import(args: argparse.Namespace) -> int:
 
 def _sessions_end(args: argparse.Namespace) -> int:
     async def run() -> dict[str, Any]:
-        async with _writing(settings_of(args)) as mem:
+        async with writing(settings_of(args)) as mem:
             receipt = mem.sessions.end_nowait(args.session_id, args.reason)
             await mem.committed([receipt], mem.settings.shutdown_deadline_s)
         return {"session_id": args.session_id, "ended": True, "reason": args.reason}
@@ -353,7 +349,7 @@ def _sessions_end(args: argparse.Namespace) -> int:
 
 def _sessions_delete(args: argparse.Namespace) -> int:
     async def run() -> dict[str, Any]:
-        async with _writing(settings_of(args)) as mem:
+        async with writing(settings_of(args)) as mem:
             receipt = mem.sessions.delete_nowait(args.session_id)
             await mem.committed([receipt], mem.settings.shutdown_deadline_s)
         return {"session_id": args.session_id, "deleted": True}
@@ -365,7 +361,7 @@ def _sessions_delete(args: argparse.Namespace) -> int:
 
 def _sessions_prune(args: argparse.Namespace) -> int:
     async def run() -> dict[str, Any]:
-        async with _writing(settings_of(args)) as mem:
+        async with writing(settings_of(args)) as mem:
             result = await mem.sessions.prune(args.older_than, source=args.source)
         return result.as_dict()
 
@@ -377,24 +373,6 @@ def _sessions_prune(args: argparse.Namespace) -> int:
         print(f"pruned {len(done['deleted'])} sessions"
               + (f" ({kept} kept: a turn arrived meanwhile)" if kept else ""))
     return EXIT_OK
-
-
-@asynccontextmanager
-async def _writing(settings: Settings) -> AsyncIterator[MemoryPipeline]:
-    """The store's pipeline for a write; when a worker process holds the store's outbox, a
-    producer that hands the write to that worker through the shared inbox."""
-    from ..pipeline import MemoryPipeline
-
-    try:
-        pipeline = MemoryPipeline(settings)
-        await pipeline.start()
-    except OutboxBusyError:
-        pipeline = MemoryPipeline(settings.replace(role="producer"))
-        await pipeline.start()
-    try:
-        yield pipeline
-    finally:
-        await pipeline.aclose()
 
 
 @contextmanager
