@@ -124,3 +124,23 @@ def test_a_read_from_before_a_delete_does_not_put_the_session_back() -> None:
     assert "new words" in cache.get("ann", "s1")
     cache.set_recall("bob", "b1", "q", "Related memory:\n- bob's", epoch=epoch)  # not deleted
     assert "bob's" in cache.get("bob", "b1")
+
+
+def test_a_procedural_block_after_hits_all_shown_leaves_no_empty_heading() -> None:
+    """The recall block is the hits, then (after a blank line) the procedural block: hits the
+    recent turns already show are left out, and their heading with them; the procedural
+    block stays whole, even a line of it that looks like a hit."""
+    from hermes_async_memory.recall.cache import RECALL_HEADER, RecallCache
+
+    cache = RecallCache(max_sessions=10, recent_turns=4, recent_chars=200)
+    cache.warm("ann", "s1", [("k1", "where is the config", "in conf/app.toml")], 0.0)
+    procedural = ("<procedural_memory>\n  ✓ #2 [read_file] where is the config\n"
+                  "</procedural_memory>")
+    cache.set_recall("ann", "s1", "q",
+                     f"{RECALL_HEADER}\n- [s1 user] where is the config\n\n{procedural}")
+    block = cache.get("ann", "s1")
+    assert RECALL_HEADER not in block
+    assert block.endswith(procedural)
+    cache.set_recall("ann", "s1", "q", f"{RECALL_HEADER}\n- [s9 user] other words\n\n"
+                                       f"{procedural}")
+    assert f"{RECALL_HEADER}\n- [s9 user] other words\n\n{procedural}" in cache.get("ann", "s1")

@@ -228,7 +228,7 @@ def test_a_hermes_agent_run_logs_its_tool_calls_and_carries_them_into_the_next_t
     assert "<procedural_memory>" in third
     assert "<procedural_guidance" not in third  # the failure has been fixed since
     block = third.split("<procedural_memory>", 1)[1]
-    assert "✗ #1: error: File not found" in block and "fixed by #2" in block
+    assert "✗ #1: File not found: notes.txt" in block and "fixed by #2" in block
     assert 'fixed #1 with path: "notes.txt"→"notes.md"' in block
 
     conn = sqlite3.connect(home / hconfig.DEFAULT_DB)

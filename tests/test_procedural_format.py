@@ -354,9 +354,20 @@ def test_long_values_and_many_arguments_are_abbreviated() -> None:
     failed = call(50, "read_file", arguments, ok=False, at=1.0, error_type="OSError")
     line = line_of(for_tools({}, {"read_file": [failed]}, settings(include_args=True)), "✗ #50")
     assert long_path not in line
-    assert '(path="src/deeply/nested/deeply/nested/deepl…", ' in line  # 40 characters
+    # 40 characters: the head and the end, where paths differ.
+    assert '(path="src/deeply/…ted/deeply/nested/main.py", ' in line
     assert "offset=0, limit=200, 2 more" in line
     assert "encoding" not in line and len(line) < 150
+
+
+def test_two_long_paths_that_differ_at_the_end_stay_distinct() -> None:
+    base = "/tmp/pytest-of-root/pytest-12/test_a_long_name0/work/"
+    failed = call(70, "read_file", {"path": base + "notes.txt"}, ok=False, at=1.0,
+                  error_type="File not found", fixed_by=71)
+    fixed = call(71, "read_file", {"path": base + "notes.md"}, ok=True, at=2.0, fixes=70,
+                 delta=ArgDelta(changed={"path": (base + "notes.txt", base + "notes.md")}))
+    block = for_tools({}, {"read_file": [failed, fixed]}, settings(include_args=True))
+    assert "notes.txt" in block and "notes.md" in block
 
 
 def test_logged_text_cannot_open_or_close_a_tag() -> None:

@@ -178,6 +178,9 @@ def test_default_rules_each_kind_of_answer() -> None:
     assert judge("ValueError: bad literal").error_type == "ValueError"
     assert judge("all good, no Error: here").ok is True  # not at a line start
     assert judge("").ok is True
+    hermes = judge('{"error": "File not found: notes.txt", "similar_files": ["notes.md"]}')
+    assert (hermes.ok, hermes.error_type) == (False, "File not found")
+    assert judge('{"error": "/tmp/x: gone"}').error_type == "error"  # a path is no type
     inside = judge(json.dumps({"output": "Traceback (most recent call last):\n  File \"a\"\n"
                                          "KeyError: 'x'"}))
     assert (inside.ok, inside.error_type) == (False, "KeyError")

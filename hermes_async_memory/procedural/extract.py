@@ -27,6 +27,7 @@ from typing import Any
 RESULT_CHARS = 500  # of the tool's answer kept as the result summary
 GOAL_CHARS = 500
 ERROR_CHARS = 300
+MAX_TYPE_CHARS = 40  # of an error type read from the words before a message's colon
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,15 @@ def _error_type(doc: Mapping[str, Any], message: str, rules: OutcomeRules) -> st
         if isinstance(v, Mapping) and isinstance(v.get("type"), str):
             return str(v["type"])
     match = _TYPE_PREFIX.match(message)
-    return match.group(1) if match else None
+    if match:
+        return match.group(1)
+    # "File not found: x.py" (Hermes's tools): the words before the colon name the error.
+    kind, sep, _ = message.partition(":")
+    kind = " ".join(kind.split())
+    if sep and 3 <= len(kind) <= MAX_TYPE_CHARS and any(c.isalpha() for c in kind) and (
+            "/" not in kind and "\\" not in kind):
+        return kind
+    return None
 
 
 def _last_exception_type(text: str) -> str | None:

@@ -32,6 +32,7 @@ MIN_BUDGET_CHARS = 100  # below this not even one tool's success rate fits in a 
 
 ELLIPSIS = "…"
 MAX_VALUE_CHARS = 40  # one argument value
+VALUE_HEAD_CHARS = 12  # of a long string value, kept before the ellipsis (the rest: its end)
 MAX_KEY_CHARS = 24  # one argument name
 MAX_ARGS_SHOWN = 3  # arguments shown per call or hint; the rest are counted
 MAX_DELTA_ITEMS = 3  # changes shown per fix; the rest are counted
@@ -381,9 +382,13 @@ def _duration(ms: float) -> str:
 def _outcome(call: ToolCall) -> str:
     if call.ok:
         return _flat(call.result, MAX_RESULT_CHARS) or "ok"
-    text = _flat(call.error_type or "error", MAX_NAME_CHARS)
-    if call.error_message:
-        text += f": {_flat(call.error_message, MAX_MESSAGE_CHARS)}"
+    kind = call.error_type or "error"
+    message = call.error_message
+    if message and message.startswith(kind):  # "FileNotFoundError: …" names its type itself
+        return _flat(message, MAX_MESSAGE_CHARS)
+    text = _flat(kind, MAX_NAME_CHARS)
+    if message:
+        text += f": {_flat(message, MAX_MESSAGE_CHARS)}"
     return text
 
 
@@ -432,7 +437,9 @@ def _value(value: Any) -> str:
     except (TypeError, ValueError):  # circular, or keys JSON cannot have
         text = " ".join(str(value).split())
     if len(text) > MAX_VALUE_CHARS and isinstance(value, str):
-        text = text[: MAX_VALUE_CHARS - 2] + ELLIPSIS + '"'  # keep the closing quote
+        # The head and the tail, quotes kept: paths and commands differ at their ends.
+        tail = MAX_VALUE_CHARS - VALUE_HEAD_CHARS - len(ELLIPSIS) - 1
+        text = text[:VALUE_HEAD_CHARS] + ELLIPSIS + text[-tail:]
     return _clip(text, MAX_VALUE_CHARS)
 
 

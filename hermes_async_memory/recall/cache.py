@@ -286,10 +286,13 @@ def _nothing() -> None:
 
 
 def _without_shown(block: str, shown: str) -> str:
-    """The recall block without the hits whose text the recent turns already show."""
-    lines = block.split("\n")
+    """The recall block without the hits whose text the recent turns already show; what
+    follows the hits after a blank line (the procedural block) is kept as it is, and the
+    hits' heading goes when no hit is left."""
+    hits, _, rest = block.partition("\n\n")
+    lines = hits.split("\n")
     if lines[0] != RECALL_HEADER:
-        return block  # a backend's block: its own format
+        return block  # a backend's block, or no hits: its own format
     kept = []
     for line in lines[1:]:
         _, sep, text = line.partition("] ")
@@ -297,7 +300,8 @@ def _without_shown(block: str, shown: str) -> str:
         if sep and core and core in shown:
             continue
         kept.append(line)
-    return "\n".join([RECALL_HEADER, *kept]) if kept else ""
+    head = "\n".join([RECALL_HEADER, *kept]) if kept else ""
+    return f"{head}\n\n{rest}" if head and rest else head or rest
 
 
 def _clip(text: str, limit: int) -> str:
