@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory import ConfigurationError, MemoryPipeline, Settings
+from hermes_async_memory.store import SCHEMA_VERSION
 from hermes_async_memory.templates import (
     Example,
     InvalidTemplateError,
@@ -360,3 +361,32 @@ async def test_sigkill_keeps_every_acknowledged_template_write_exactly_once(
             assert (f"t{i}" in names) != deleted_by_next, i
         if f"t{i}" in names:
             assert names[f"t{i}"] == 1, i  # two starts, in order after its put: one use
+
+
+def test_template_settings_come_from_the_environment_with_the_rest() -> None:
+    settings = Settings.from_env({"HERMES_MEMORY_TEMPLATE_AUTO_CREATE": "on",
+                                  "HERMES_MEMORY_TEMPLATE_FAILURE_REASONS": "Error, timeout",
+                                  "HERMES_MEMORY_TEMPLATE_MAX_ERROR_RATE": "0.25",
+                                  "HERMES_MEMORY_TEMPLATE_FIRST_TURNS": "5"})
+    t = settings.templates
+    assert (t.auto_create, t.failure_reasons, t.max_error_rate, t.first_turns) == (
+        True, ("error", "timeout"), 0.25, 5)
+    assert Settings.from_env({}).templates == TemplateSettings()
+    for bad in ({"HERMES_MEMORY_TEMPLATE_MAX_ERROR_RATE": "2"},
+                {"HERMES_MEMORY_TEMPLATE_FIRST_TURNS": "0"},
+                {"HERMES_MEMORY_TEMPLATE_AUTO_CREATE": "maybe"}):
+        with pytest.raises(ConfigurationError):
+            Settings.from_env(bad)
+
+
+async def test_a_version_5_store_gets_the_template_tables_at_open(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    async with MemoryPipeline(Settings(db_path=db)):
+        pass
+    with sqlite3.connect(db) as conn:
+        conn.executescript("DROP TABLE templates; DROP TABLE template_sessions; "
+                           "UPDATE schema_version SET version = 5;")
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        await mem.templates.save(scored("t", 3, 0, 3))
+        assert await mem.templates.choose("code") is not None
+    assert db_rows(db, "SELECT version FROM schema_version") == [(SCHEMA_VERSION,)]

@@ -79,7 +79,9 @@ ON CONFLICT (session_id) DO UPDATE SET
 # Candidates of a choice: the templates of the task type above the floor of evidence,
 # ranked as ``templates.choose`` ranks them (rate, then least used, then most ended; a rate
 # is exact as a double for any count below 2**26, so the order is the exact one), name last
-# for a stable order. Only the columns the choice reads.
+# for a stable order. Only the columns the choice reads. The ORDER BY is the expression of
+# the index idx_templates_rank (schema): SQLite walks that index from the best template and
+# stops after LIMIT rows qualify, instead of sorting every template of the type.
 CANDIDATES = """
 SELECT name, tags, usage_count, successes, failures FROM templates
 WHERE task_type = ? AND successes + failures >= ? AND successes >= ? * (successes + failures)

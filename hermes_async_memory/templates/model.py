@@ -142,6 +142,8 @@ class TemplateSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.first_turns < 1:
+            raise ConfigurationError(f"first_turns must be at least 1, got {self.first_turns}")
         object.__setattr__(self, "families", _checked_families(self.families))
 
     @classmethod
