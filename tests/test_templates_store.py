@@ -191,6 +191,7 @@ async def test_choose_prefers_the_best_rate_then_the_least_used_above_the_eviden
     assert count == len(templates)
     best = await mem.templates.choose("code")
     assert best is not None and best.name == "proven-quiet"
+    assert best.created_at > 0  # made by hand without one: created when stored
     assert best == dataclasses.replace(templates[1], created_at=best.created_at)
     assert (await mem.templates.choose("code", ["Web"]) or templates[0]).name == "middling"
     assert await mem.templates.choose("code", ["go"]) is None

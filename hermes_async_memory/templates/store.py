@@ -445,8 +445,8 @@ def _template(document: str, usage_count: int, successes: int, failures: int,
 
 
 def _checked(template: object) -> Template:
-    """``template`` with its tags normalized, once its document reads back and every text
-    of it can be stored.
+    """``template`` with its tags normalized (and a creation time, when it has none), once
+    its document reads back and every text of it can be stored.
 
     Raises:
         InvalidTemplateError: it cannot.
@@ -456,6 +456,8 @@ def _checked(template: object) -> Template:
     _name(template.name)
     _task_type(template.task_type)
     checked = dataclasses.replace(template, tags=normalize_tags(template.tags))
+    if not checked.created_at:  # a template made by hand: it is created now
+        checked = dataclasses.replace(checked, created_at=time.time())
     try:
         doc = checked.to_dict()
         text = json.dumps(doc, ensure_ascii=False, allow_nan=False)
