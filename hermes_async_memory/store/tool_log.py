@@ -33,12 +33,30 @@ _LIKE_ESCAPE = re.compile(r"[\\%_]")  # LIKE's wildcards and its escape characte
 
 OUTCOME_FUNCTION = "hm_tool_outcome"
 
+# The batch's calls, their answers and outcomes are each worked out once (MATERIALIZED): as
+# a subquery, SQLite inlined the outcome into each of the four columns read from it and ran
+# the outcome function four times a call.
 INSERT_CALLS = """
-INSERT INTO tool_calls (message_id, call_id, session_id, user_id, tool, arguments, result,
-                        ok, error_type, error_message, duration_ms, goal, at)
-SELECT message_id, call_id, session_id, user_id, tool, arguments, result,
-       o ->> 0, o ->> 1, o ->> 2, o ->> 3, goal, at
-FROM (
+WITH c AS MATERIALIZED (
+    SELECT m.id AS message_id, m.turn_key, m.session_id,
+           coalesce(m.user_id, '') AS user_id, m.timestamp AS at, e.key AS n,
+           coalesce(e.value ->> '$.id', '#' || e.key) AS call_id,
+           e.value ->> '$.function.name' AS tool,
+           CASE json_type(e.value, '$.function.arguments')
+               WHEN 'text' THEN iif(json_valid(e.value ->> '$.function.arguments'),
+                                    json(e.value ->> '$.function.arguments'),
+                                    json_quote(e.value ->> '$.function.arguments'))
+               WHEN 'null' THEN '{{}}'
+               ELSE coalesce(e.value -> '$.function.arguments', '{{}}')
+           END AS arguments
+    FROM messages AS m,
+         json_each(iif(json_valid(m.tool_calls), m.tool_calls, '[]')) AS e
+    -- e.type first: no path is read from a value that is not an object (a malformed
+    -- JSON error would fail the batch).
+    WHERE {m_new} AND m.tool_calls IS NOT NULL
+      AND CASE WHEN e.type = 'object'
+               THEN json_type(e.value, '$.function.name') = 'text' END
+), r AS MATERIALIZED (
     SELECT c.*, coalesce(substr(t.content, 1, 500), '') AS result,
            iif(t.id IS NULL, '[0,"no_result","the call was never answered",null]',
                hm_tool_outcome(t.content)) AS o,
@@ -46,37 +64,24 @@ FROM (
             WHERE g.session_id = c.session_id AND {g_new} AND g.id < c.message_id
               AND g.turn_key = c.turn_key AND g.role = 'user'
             ORDER BY g.id DESC LIMIT 1) AS goal
-    FROM (
-        SELECT m.id AS message_id, m.turn_key, m.session_id,
-               coalesce(m.user_id, '') AS user_id, m.timestamp AS at, e.key AS n,
-               coalesce(e.value ->> '$.id', '#' || e.key) AS call_id,
-               e.value ->> '$.function.name' AS tool,
-               CASE json_type(e.value, '$.function.arguments')
-                   WHEN 'text' THEN iif(json_valid(e.value ->> '$.function.arguments'),
-                                        json(e.value ->> '$.function.arguments'),
-                                        json_quote(e.value ->> '$.function.arguments'))
-                   WHEN 'null' THEN '{{}}'
-                   ELSE coalesce(e.value -> '$.function.arguments', '{{}}')
-               END AS arguments
-        FROM messages AS m,
-             json_each(iif(json_valid(m.tool_calls), m.tool_calls, '[]')) AS e
-        -- e.type first: no path is read from a value that is not an object (a malformed
-        -- JSON error would fail the batch).
-        WHERE {m_new} AND m.tool_calls IS NOT NULL
-          AND CASE WHEN e.type = 'object'
-                   THEN json_type(e.value, '$.function.name') = 'text' END
-    ) AS c
+    FROM c
     LEFT JOIN messages AS t
         ON t.session_id = c.session_id AND {t_new} AND t.turn_key = c.turn_key
        AND t.role = 'tool' AND t.tool_call_id = c.call_id
 )
+INSERT INTO tool_calls (message_id, call_id, session_id, user_id, tool, arguments, result,
+                        ok, error_type, error_message, duration_ms, goal, at)
+SELECT message_id, call_id, session_id, user_id, tool, arguments, result,
+       o ->> 0, o ->> 1, o ->> 2, o ->> 3, goal, at
+FROM r
 WHERE true
 ORDER BY message_id, n
 ON CONFLICT (message_id, call_id) DO NOTHING;
 """
 # A success after a failure of the same tool, same user (or session, without a user), within
 # the window and with other arguments fixes the latest such failure not yet fixed; when two
-# of the batch's successes find the same failure, the first one keeps it.
+# of the batch's successes find the same failure, the first one keeps it. The batch's rows
+# are read once by their range (a min() over all of them walked the whole log, per failure).
 MARK_FIXES = """
 UPDATE tool_calls SET fixes = (
     SELECT f.id FROM tool_calls AS f
@@ -86,9 +91,10 @@ UPDATE tool_calls SET fixes = (
       AND f.arguments IS NOT tool_calls.arguments
     ORDER BY f.id DESC LIMIT 1)
 WHERE {new} AND ok = 1 AND fixes IS NULL;
-UPDATE tool_calls SET fixed_by = (
-    SELECT min(s.id) FROM tool_calls AS s WHERE {s_new} AND s.fixes = tool_calls.id)
-WHERE id IN (SELECT fixes FROM tool_calls WHERE {new} AND fixes IS NOT NULL);
+WITH w AS MATERIALIZED (SELECT id, fixes FROM tool_calls WHERE {new} AND fixes IS NOT NULL)
+UPDATE tool_calls SET fixed_by = v.first
+FROM (SELECT fixes, min(id) AS first FROM w GROUP BY fixes) AS v
+WHERE tool_calls.id = v.fixes;
 UPDATE tool_calls SET fixes = NULL
 WHERE {new} AND fixes IS NOT NULL
   AND id IS NOT (SELECT f.fixed_by FROM tool_calls AS f WHERE f.id = tool_calls.fixes);
@@ -96,12 +102,14 @@ WHERE {new} AND fixes IS NOT NULL
 # Each user's log keeps its newest {limit} calls; a user's count is kept beside it, and the
 # trim (a walk of {limit} index entries) runs once the count passes the bound by a tenth.
 TRIM = """
+WITH b AS MATERIALIZED (SELECT user_id FROM tool_calls WHERE {new})
 INSERT INTO tool_log_counts (user_id, n)
-SELECT user_id, count(*) FROM tool_calls WHERE {new} GROUP BY user_id
+SELECT user_id, count(*) FROM b WHERE true GROUP BY user_id
 ON CONFLICT (user_id) DO UPDATE SET n = tool_log_counts.n + excluded.n;
+WITH b AS MATERIALIZED (SELECT user_id FROM tool_calls WHERE {new})
 DELETE FROM tool_calls WHERE id IN (
     SELECT t.id FROM tool_log_counts AS c JOIN tool_calls AS t ON t.user_id = c.user_id
-    WHERE c.user_id IN (SELECT user_id FROM tool_calls WHERE {new})
+    WHERE c.user_id IN (SELECT user_id FROM b)
       AND c.n > {limit} + {slack}
       AND t.id <= (SELECT x.id FROM tool_calls AS x WHERE x.user_id = c.user_id
                    ORDER BY x.id DESC LIMIT 1 OFFSET {limit}));
