@@ -191,13 +191,15 @@ async def test_prefetch_keeps_the_last_good_backend_block_marked_stale_while_it_
     backend = ScriptedBackend()
     backend.answer = "From the backend: the user prefers tea."
 
-    async def recalled(mem: MemoryPipeline, query: str) -> None:
+    async def recalled(mem: MemoryPipeline, query: str, *, fails: bool = False) -> None:
         before = mem.stats().recalls_run
         mem.queue_prefetch(query, session_id="s", user_id="u")
-        # It ran: its block is in, or the backend failed and the last good one is stale.
+        # It ran: its block is in, or (the backend failing) the last good one is stale. A
+        # recall counts as run when it starts, before its block lands.
         await eventually(mem, lambda: mem.stats().recalls_run > before and (
-            mem.prefetch_status("s", user_id="u").recall_query == query
-            or mem.prefetch_status("s", user_id="u").stale), "the recall ran")
+            mem.prefetch_status("s", user_id="u").stale if fails
+            else mem.prefetch_status("s", user_id="u").recall_query == query),
+            "the recall ran")
 
     async with MemoryPipeline(settings(tmp_path), backend) as mem:
         mem.sync_turn("i like tea", "noted", session_id="s", user_id="u")
@@ -208,7 +210,7 @@ async def test_prefetch_keeps_the_last_good_backend_block_marked_stale_while_it_
         assert "prefers tea" in mem.prefetch("", session_id="s", user_id="u")
 
         backend.down = True
-        await recalled(mem, "what do I like now")
+        await recalled(mem, "what do I like now", fails=True)
         status = mem.prefetch_status("s", user_id="u")
         assert status.source == "scripted" and status.stale
         assert "prefers tea" in mem.prefetch("", session_id="s", user_id="u")
@@ -293,9 +295,11 @@ async def test_two_sessions_of_one_user_get_their_own_backend_recall(tmp_path: P
         mem.queue_prefetch("same question", session_id="a", user_id="u")
         mem.queue_prefetch("same question", session_id="b", user_id="u")
         await eventually(mem, lambda: mem.stats().recalls_run == 2, "both ran")
-        await eventually(mem, lambda: "context of b" in mem.prefetch("", session_id="b",
-                                                                        user_id="u"), "b's own")
-        assert "context of a" in mem.prefetch("", session_id="a", user_id="u")
+        # Each lands when its own recall is done (after the backend answers, the session's
+        # procedural block is read): wait for each.
+        for sid in ("a", "b"):
+            await eventually(mem, lambda sid=sid: f"context of {sid}" in mem.prefetch(
+                "", session_id=sid, user_id="u"), f"{sid}'s own")
 
 
 # -- session lifecycle records -------------------------------------------------------------
