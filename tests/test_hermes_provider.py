@@ -732,3 +732,46 @@ def test_the_system_prompt_block_carries_the_tools_summary_when_enabled(
         assert q.system_prompt_block() == SYSTEM_PROMPT  # off by default
     finally:
         q.shutdown()
+
+
+def test_a_new_session_starts_warm_from_the_best_template_and_its_end_is_recorded(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("WARM_START", "true"), ("MIN_EVIDENCE", "0"),
+                        ("MIN_SUCCESS_RATE", "0"), ("WARM_TASK_TYPE", "file")):
+        monkeypatch.setenv(f"HERMES_MEMORY_TEMPLATE_{name}", value)
+    first = HermesMemoryProvider()
+    first.initialize("s1", hermes_home=str(home), platform="cli")
+    try:
+        for msgs in (_tool_turn("open the app config", "c1", "conf/app.toml", {"content": "x"}),
+                     _tool_turn("open the readme", "c2", "README.md", {"content": "# app"})):
+            first.sync_turn(msgs[0]["content"], msgs[-1]["content"], session_id="s1",
+                            messages=msgs)
+        assert first.prefetch("") == ""  # no template yet: s1 started cold
+        first.flush(WAIT_S)
+        runtime = first._require_runtime()
+        template = runtime.call(lambda p: p.templates.extract("s1", "config-reading"), WAIT_S)
+        assert template.task_type == "file"
+        first.on_session_end([])
+    finally:
+        first.shutdown()
+    second = HermesMemoryProvider()
+    second.initialize("s2", hermes_home=str(home), platform="cli")
+    try:
+        block = second.system_prompt_block()
+        assert block.startswith(SYSTEM_PROMPT)
+        assert '<warm_start template="config-reading"' in block and "conf/app.toml" in block
+        warm = second.prefetch("")
+        assert '<warm_start template="config-reading"' in warm  # the first prefetch
+        assert "<warm_start" not in second.prefetch("")  # once
+        assert "<warm_start" not in second.system_prompt_block()  # the session is not new
+        msgs = _tool_turn("open the config", "c3", "conf/app.toml", {"content": "x"})
+        second.sync_turn(msgs[0]["content"], msgs[-1]["content"], session_id="s2",
+                         messages=msgs)
+        second.on_session_end([])
+        runtime = second._require_runtime()
+        stats = {s.task_type: s for s in runtime.call(lambda p: p.templates.stats(), WAIT_S)}
+        stored = runtime.call(lambda p: p.templates.get("config-reading"), WAIT_S)
+    finally:
+        second.shutdown()
+    assert stored is not None and stored.usage_count == 1 and stored.successes >= 1
+    assert stats["file"].warm.sessions == 1 and stats["file"].cold.sessions == 1

@@ -32,6 +32,7 @@ from ..settings import (
     Settings,
     auto_backend,
 )
+from ..templates import TemplateSettings
 
 PROVIDER_NAME = "hermes_async_memory"
 CONFIG_FILE = f"{PROVIDER_NAME}.json"
@@ -140,6 +141,8 @@ def resolve(hermes_home: Path, values: Mapping[str, Any],
     chosen.setdefault("backend", auto_backend(chosen, environ))
     if chosen.get("backend") == "honcho":
         chosen["honcho"] = HonchoConfig(**honcho)  # type: ignore[arg-type]
+    # HERMES_MEMORY_TEMPLATE_* (warm starts among them), read as Settings.from_env does.
+    chosen["templates"] = TemplateSettings.from_env(environ)
     settings = Settings(**chosen)  # type: ignore[arg-type]
     user = values.get(DEFAULT_USER_ID)
     if user is not None and not isinstance(user, str):

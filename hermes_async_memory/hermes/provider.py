@@ -46,6 +46,7 @@ from . import config as _config
 from .runtime import Runtime, acquire, release
 from .search_tool import MAX_TOOL_LIMIT, SEARCH_SCHEMA, SEARCH_TOOL, SYSTEM_PROMPT
 from .turn_messages import this_turn, token_counts
+from .warm import WarmStarts
 
 if TYPE_CHECKING:
     from ..pipeline import MemoryPipeline
@@ -91,6 +92,7 @@ class HermesMemoryProvider(_ProviderBase):
         self._default_user_id = default_user_id
         self._runtime: Runtime | None = None
         self._lock = threading.Lock()  # initialize / shutdown transitions
+        self._warm_starts = WarmStarts()  # new sessions' warm text, until delivered
         self._session_id = ""
         self._user_id: str | None = None
         self._writes = True
@@ -166,6 +168,8 @@ class HermesMemoryProvider(_ProviderBase):
             if self._runtime is None:
                 self._runtime = acquire(settings, contextvars.copy_context())
         self._warm(session_id)
+        if self._writes:
+            self._warm_starts.begin(self._require_runtime(), session_id, self._user_id)
         model = _text(kwargs.get("model"))
         if model:
             self._model = model
@@ -191,11 +195,13 @@ class HermesMemoryProvider(_ProviderBase):
     def system_prompt_block(self) -> str:
         """The tools' instructions; with ``procedural_summary`` on, the user's tools' record
         (compact) after them, when it can be read within SUMMARY_TIMEOUT_S."""
+        warm = self._warm_starts.system_block(self._session_id)
+        head = f"{SYSTEM_PROMPT}\n\n{warm}" if warm else SYSTEM_PROMPT
         runtime = self._runtime
         settings = runtime.settings if runtime is not None else None
         if (runtime is None or settings is None or not settings.procedural_summary
                 or not settings.tool_log or settings.procedural_context is None):
-            return SYSTEM_PROMPT
+            return head
         user, context = self._user_id, settings.procedural_context
         compact = dataclasses.replace(context, compact=True)
         try:
@@ -203,8 +209,8 @@ class HermesMemoryProvider(_ProviderBase):
                                  SUMMARY_TIMEOUT_S)
         except (HermesMemoryError, TimeoutError) as exc:
             log.warning("procedural_summary_skipped", error=describe(exc))
-            return SYSTEM_PROMPT
-        return f"{SYSTEM_PROMPT}\n\n{block}" if block else SYSTEM_PROMPT
+            return head
+        return f"{head}\n\n{block}" if block else head
 
     def prefetch(self, query: str, *, session_id: str = "") -> str:
         """The session's cached block: recent turns plus the last recall ("" when none).
@@ -216,7 +222,9 @@ class HermesMemoryProvider(_ProviderBase):
         session = session_id or self._session_id
         if pipeline is None or not session:
             return ""
-        return pipeline.prefetch(query, session_id=session, user_id=self._user_id)
+        block = pipeline.prefetch(query, session_id=session, user_id=self._user_id)
+        warm = self._warm_starts.take(session)  # a new session's first prefetch only
+        return f"{warm}\n\n{block}" if warm and block else warm or block
 
     def queue_prefetch(self, query: str, *, session_id: str = "") -> None:
         """Recall for the session's next turn, in the background. Never waits.
@@ -371,6 +379,8 @@ class HermesMemoryProvider(_ProviderBase):
         if new_session_id:
             self._session_id = new_session_id
             self._warm(new_session_id)
+            if self._writes and new_session_id != old and self._runtime is not None:
+                self._warm_starts.begin(self._runtime, new_session_id, self._user_id)
 
     def on_pre_compress(self, messages: list[dict[str, Any]]) -> str:
         """What to keep through a context compression: the memory recalled for the user
@@ -457,6 +467,9 @@ class HermesMemoryProvider(_ProviderBase):
         user = self._user_id
         self._session_write("end", lambda p: p.sessions.end_nowait(session_id, reason,
                                                                    user_id=user))
+        runtime = self._runtime
+        if runtime is not None:  # the outcome of a warm or cold start
+            self._warm_starts.end(runtime, session_id, reason)
 
     def _session_write(self, what: str, write: Callable[[MemoryPipeline], object]) -> None:
         """A lifecycle write for a hook, on the caller's thread as ``sync_turn`` is (durable

@@ -115,6 +115,15 @@ class TemplateSettings:
     # calls becomes a template, unless one of its task type has the same examples or source.
     auto_create: bool = False
     auto_min_calls: int = 3
+    # Warm starts in a host that can only take text (the Hermes provider): a brand-new
+    # session starts from the template chosen for warm_task_type (unset: the task type the
+    # user's recent tool calls make) and warm_tags, delivered through the system prompt
+    # block and the session's first prefetch; every new session is recorded as a warm or a
+    # cold start, and its end as its outcome.
+    warm_start: bool = False
+    warm_task_type: str = ""
+    warm_tags: tuple[str, ...] = field(default=(), metadata={PARSE: parse_words})
+    warm_max_chars: int = 2000
 
     def __post_init__(self) -> None:
         if not (isinstance(self.threshold, (int, float)) and 0.0 < self.threshold <= 1.0):
@@ -138,7 +147,8 @@ class TemplateSettings:
         object.__setattr__(self, "failure_reasons",
                            tuple(dict.fromkeys(r.strip().lower() for r in reasons if r.strip())))
         for name in ("max_examples", "user_pattern_messages", "max_markers",
-                     "max_context_chars", "min_evidence", "first_turns", "auto_min_calls"):
+                     "max_context_chars", "min_evidence", "first_turns", "auto_min_calls",
+                     "warm_max_chars"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigurationError(f"{name} must be an integer >= 0, got {value!r}")
