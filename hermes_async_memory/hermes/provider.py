@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import abc
 import contextvars
-import dataclasses
 import json
 import threading
 from collections.abc import Callable, Coroutine, Mapping
@@ -39,14 +38,13 @@ from ..errors import (
 )
 from ..memory import MEMORY_SCHEMA, MEMORY_TOOL, call_memory_tool
 from ..memory.mirror import mirror_builtin_write, record_delegation
-from ..procedural.context import summary_block
 from ..procedural.tool import PROCEDURAL_SCHEMA, PROCEDURAL_TOOL, call_procedural_tool
 from ..settings import Settings
 from . import config as _config
 from .runtime import Runtime, acquire, release
 from .search_tool import MAX_TOOL_LIMIT, SEARCH_SCHEMA, SEARCH_TOOL, SYSTEM_PROMPT
 from .turn_messages import this_turn, token_counts
-from .warm import WarmStarts
+from .warm import WarmStarts, tools_summary
 
 if TYPE_CHECKING:
     from ..pipeline import MemoryPipeline
@@ -69,8 +67,12 @@ READ_ONLY_CONTEXTS = frozenset({"cron", "subagent", "flush"})
 LOCAL_PLATFORMS = frozenset({"cli", "tui"})
 MEMORY_ACTIONS = frozenset({"add", "replace", "remove"})
 TOOL_TIMEOUT_S = 5.0
-# system_prompt_block is called as a session starts: its summary may not hold it up longer.
-SUMMARY_TIMEOUT_S = 1.0
+# The tools that run on the pipeline's loop: (pipeline, user id, arguments) -> JSON text.
+_PIPELINE_TOOLS: dict[str, Callable[[MemoryPipeline, str | None, Any],
+                                    Coroutine[Any, Any, str]]] = {
+    MEMORY_TOOL: lambda p, user, args: call_memory_tool(p.memory, user, args),
+    PROCEDURAL_TOOL: lambda p, user, args: call_procedural_tool(p.procedural, user, args),
+}
 # on_pre_compress: the last few user messages of the span make the recall query; the search
 # is time-boxed because compression waits on it.
 PRE_COMPRESS_USER_MESSAGES = 4
@@ -193,24 +195,12 @@ class HermesMemoryProvider(_ProviderBase):
     # -- the turn path -----------------------------------------------------------------
 
     def system_prompt_block(self) -> str:
-        """The tools' instructions; with ``procedural_summary`` on, the user's tools' record
-        (compact) after them, when it can be read within SUMMARY_TIMEOUT_S."""
+        """The tools' instructions; a new session's warm start; with ``procedural_summary``
+        on, the user's tools' record (compact), when it can be read within a second."""
         warm = self._warm_starts.system_block(self._session_id)
         head = f"{SYSTEM_PROMPT}\n\n{warm}" if warm else SYSTEM_PROMPT
-        runtime = self._runtime
-        settings = runtime.settings if runtime is not None else None
-        if (runtime is None or settings is None or not settings.procedural_summary
-                or not settings.tool_log or settings.procedural_context is None):
-            return head
-        user, context = self._user_id, settings.procedural_context
-        compact = dataclasses.replace(context, compact=True)
-        try:
-            block = runtime.call(lambda p: summary_block(p.procedural, user, compact),
-                                 SUMMARY_TIMEOUT_S)
-        except (HermesMemoryError, TimeoutError) as exc:
-            log.warning("procedural_summary_skipped", error=describe(exc))
-            return head
-        return f"{head}\n\n{block}" if block else head
+        summary = tools_summary(self._runtime, self._user_id)
+        return f"{head}\n\n{summary}" if summary else head
 
     def prefetch(self, query: str, *, session_id: str = "") -> str:
         """The session's cached block: recent turns plus the last recall ("" when none).
@@ -288,20 +278,14 @@ class HermesMemoryProvider(_ProviderBase):
 
     def handle_tool_call(self, tool_name: str, args: dict[str, Any], **kwargs: Any) -> str:
         """Run a tool; the result (or the error) is a JSON string. Never raises."""
-        if tool_name == MEMORY_TOOL:
+        run = _PIPELINE_TOOLS.get(tool_name)
+        if run is not None:
             user = self._user_id
             try:
-                return self._require_runtime().call(
-                    lambda p: call_memory_tool(p.memory, user, args), TOOL_TIMEOUT_S)
+                return self._require_runtime().call(lambda p: run(p, user, args),
+                                                    TOOL_TIMEOUT_S)
             except (HermesMemoryError, TimeoutError) as exc:
-                return _json_error(f"{MEMORY_TOOL} failed: {type(exc).__name__}: {exc}")
-        if tool_name == PROCEDURAL_TOOL:
-            user = self._user_id
-            try:
-                return self._require_runtime().call(
-                    lambda p: call_procedural_tool(p.procedural, user, args), TOOL_TIMEOUT_S)
-            except (HermesMemoryError, TimeoutError) as exc:
-                return _json_error(f"{PROCEDURAL_TOOL} failed: {type(exc).__name__}: {exc}")
+                return _json_error(f"{tool_name} failed: {type(exc).__name__}: {exc}")
         if tool_name != SEARCH_TOOL:
             return _json_error(f"{PROVIDER_NAME} has no tool named {tool_name!r}")
         if not isinstance(args, Mapping):

@@ -1,4 +1,5 @@
-"""Warm starts for the Hermes provider, which can hand Hermes only text.
+"""What the Hermes provider adds to a session's system prompt and first prefetch, as text
+(all it can hand Hermes): a new session's warm start, and the user's tools' summary.
 
 When ``TemplateSettings.warm_start`` is on, a brand-new session (nothing stored for it yet)
 gets the template chosen for its task type (``warm_task_type``, or the task type the user's
@@ -11,12 +12,14 @@ and the warm vs cold figures (``hermes-memory templates stats``).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import TYPE_CHECKING
 
 import structlog
 
 from ..errors import HermesMemoryError, describe
+from ..procedural.context import summary_block
 from ..templates import Template, classify_tools, warm_text
 
 if TYPE_CHECKING:
@@ -25,8 +28,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-# Choosing happens as a session starts: it may not hold Hermes up longer than this.
+# Choosing, and reading the summary, happen as a session starts: neither may hold Hermes up
+# longer than this.
 CHOOSE_TIMEOUT_S = 1.0
+SUMMARY_TIMEOUT_S = 1.0
 END_TIMEOUT_S = 5.0
 RECENT_CALLS = 100  # of the user's, whose tools say the task type when none is set
 
@@ -95,6 +100,22 @@ class WarmStarts:
         except (HermesMemoryError, TimeoutError) as exc:
             log.warning("session_outcome_not_recorded", session_id=session_id,
                         error=describe(exc))
+
+
+def tools_summary(runtime: Runtime | None, user_id: str | None) -> str:
+    """With ``procedural_summary`` on, the compact summary of the user's tools ("" when off,
+    empty, or not read in time). Never raises."""
+    settings = runtime.settings if runtime is not None else None
+    if (runtime is None or settings is None or not settings.procedural_summary
+            or not settings.tool_log or settings.procedural_context is None):
+        return ""
+    compact = dataclasses.replace(settings.procedural_context, compact=True)
+    try:
+        return runtime.call(lambda p: summary_block(p.procedural, user_id, compact),
+                            SUMMARY_TIMEOUT_S)
+    except (HermesMemoryError, TimeoutError) as exc:
+        log.warning("procedural_summary_skipped", error=describe(exc))
+        return ""
 
 
 async def _choose(p: MemoryPipeline, session_id: str, user_id: str | None
