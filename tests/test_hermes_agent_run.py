@@ -35,6 +35,7 @@ import os
 import sqlite3
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ from hermes_async_memory import HermesMemoryProvider, cli
 from hermes_async_memory.hermes import config as hconfig
 from hermes_async_memory.hermes.search_tool import SEARCH_TOOL, SYSTEM_PROMPT
 from hermes_async_memory.procedural.tool import PROCEDURAL_TOOL
+from hermes_async_memory.templates import warm_text
 
 from .stub_openai import Reply, StubOpenAI, ToolCall
 
@@ -122,7 +124,7 @@ def install(home: Path, base_url: str) -> Path:
     return home
 
 
-def new_agent(home: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+def new_agent(home: Path, monkeypatch: pytest.MonkeyPatch, session_id: str = SESSION) -> Any:
     """``AIAgent`` as ``hermes -z`` makes one (hermes_cli/oneshot.py), with the session
     id the CLI would pass."""
     # run_agent loads $HERMES_HOME/.env and fixes its log folder when first imported: only
@@ -136,7 +138,7 @@ def new_agent(home: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     return run_agent.AIAgent(
         model=MODEL, api_key=runtime["api_key"], base_url=runtime["base_url"],
         provider=runtime["provider"], api_mode=runtime["api_mode"], enabled_toolsets=TOOLSETS,
-        quiet_mode=True, platform="cli", session_db=SessionDB(), session_id=SESSION,
+        quiet_mode=True, platform="cli", session_db=SessionDB(), session_id=session_id,
     )
 
 
@@ -244,3 +246,123 @@ def test_a_hermes_agent_run_logs_its_tool_calls_and_carries_them_into_the_next_t
     ]
     (failed, _, _, _, _, fixed_by, _), (worked, _, _, _, _, _, fixes) = calls
     assert (fixed_by, fixes) == (worked, failed)
+
+
+# Warm starts on, as the provider reads them when it initializes: any template will do
+# (no evidence or success rate asked), and a new session's task type is "file".
+WARM_ENV = {"WARM_START": "true", "WARM_TASK_TYPE": "file", "MIN_EVIDENCE": "0",
+            "MIN_SUCCESS_RATE": "0"}
+TEMPLATE = "notes-reading"
+SESSION_A, SESSION_B = "agent-run-warm-a", "agent-run-warm-b"
+
+
+@contextmanager
+def agent_session(home: Path, monkeypatch: pytest.MonkeyPatch, session_id: str
+                  ) -> Iterator[tuple[Any, HermesMemoryProvider, list[dict[str, Any]]]]:
+    """A new ``AIAgent`` on ``session_id``, its provider (the one Hermes loaded) and its
+    history, which ``converse`` fills; ended as the CLI's exit ends a session."""
+    agent = new_agent(home, monkeypatch, session_id)
+    history: list[dict[str, Any]] = []
+    try:
+        assert agent._memory_manager is not None, "Hermes did not load a memory provider"
+        (provider,) = agent._memory_manager.providers
+        assert isinstance(provider, HermesMemoryProvider)
+        assert provider.session_id == session_id
+        yield agent, provider, history
+    finally:
+        agent.shutdown_memory_provider(history)
+        agent.close()
+        agent._session_db.close()
+
+
+def converse(agent: Any, provider: HermesMemoryProvider, turn: Turn,
+             history: list[dict[str, Any]]) -> None:
+    """One turn as the CLI drives it, then ``settle``."""
+    result = agent.run_conversation(turn.user, conversation_history=list(history),
+                                    task_id=provider.session_id)
+    assert result["completed"], result.get("final_response")
+    assert result["final_response"] == turn.answer
+    history[:] = result["messages"]
+    settle(agent, provider, turn.user)
+
+
+def warm_block(text: str) -> str:
+    """The ``<warm_start …>…</warm_start>`` block in ``text`` (which must hold one)."""
+    assert text.count("<warm_start ") == 1, text
+    return "<warm_start " + text.split("<warm_start ", 1)[1].split("</warm_start>", 1)[0]
+
+
+def test_a_new_hermes_agent_session_starts_warm_from_a_template_of_an_earlier_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hermes_process: None) -> None:
+    """Session A reads a file, through the agent; a template is made of it; a new session B
+    (a new AIAgent, same HERMES_HOME) starts warm from it. B's first request carries the
+    warm block twice, as hermes-agent 0.19 places what the provider hands it:
+
+    - in the system prompt: Hermes builds it (and caches it for the session, persisted in
+      its state.db) at B's first ``run_conversation``, after ``AIAgent`` init has run the
+      provider's ``initialize`` (which chose the template), so ``system_prompt_block``,
+      called then, still sees B as new and appends the block after its instructions;
+    - in the user message's ``<memory-context>``: Hermes calls ``prefetch_all`` after the
+      system prompt is built, and the session's first prefetch carries the block once
+      (nothing recalled for B yet, so it is the whole context).
+    """
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.md").write_text("buy milk\n", encoding="utf-8")
+    read = Turn("Read my notes in notes.md", ToolCall("read_file", {"path": "notes.md"}),
+                "Your notes say: buy milk.")
+    again = Turn("What did I want to buy?", None, "Milk.")
+    home = tmp_path / "hermes-home"
+    monkeypatch.setenv("HERMES_HOME", str(home))
+    monkeypatch.setenv("TERMINAL_ENV", "local")
+    monkeypatch.setenv("TERMINAL_CWD", str(work))
+    for name, value in WARM_ENV.items():
+        monkeypatch.setenv(f"HERMES_MEMORY_TEMPLATE_{name}", value)
+
+    model = [script([read])]  # each session's own script: both count turns from one
+    with StubOpenAI(lambda body: model[0](body), model=MODEL) as stub:
+        install(home, stub.base_url)
+        with agent_session(home, monkeypatch, SESSION_A) as (agent, provider, history):
+            assert provider.settings is not None and provider.settings.templates.warm_start
+            converse(agent, provider, read, history)  # settled: A's turn is committed
+            runtime = provider._require_runtime()
+            template = runtime.call(lambda p: p.templates.extract(SESSION_A, TEMPLATE),
+                                    WAIT_S)
+        b_first = len(stub.chat_requests())
+        model[0] = script([again])
+        with agent_session(home, monkeypatch, SESSION_B) as (agent, provider, history):
+            assert provider.settings is not None
+            max_chars = provider.settings.templates.warm_max_chars
+            converse(agent, provider, again, history)
+            runtime = provider._require_runtime()
+            stats = {s.task_type: s for s in runtime.call(lambda p: p.templates.stats(),
+                                                          WAIT_S)}
+        chats = stub.chat_requests()
+    assert not stub.errors
+
+    # A: a read_file call and the answer, with no template to start from.
+    assert b_first == 2 and len(chats) == 3
+    assert not any("<warm_start" in json.dumps(c) for c in chats[:b_first])
+    assert template.task_type == "file" and template.source_session_id == SESSION_A
+    (example,) = template.examples
+    assert (example.tool, dict(example.arguments)) == ("read_file", {"path": "notes.md"})
+    assert "buy milk" in example.result
+    # B: started warm from it (and A cold), as recorded by the provider B's agent loaded.
+    assert (stats["file"].warm.sessions, stats["file"].cold.sessions) == (1, 1)
+
+    # B's one request: the block in the system prompt and in the user message.
+    (request,) = chats[b_first:]
+    system, user = request["messages"][0], request["messages"][-1]
+    assert system["role"] == "system" and user["role"] == "user"
+    text = warm_text(template, max_chars)  # what the provider hands Hermes, verbatim
+    opening = f'<warm_start template="{TEMPLATE}"'
+    assert text.startswith(opening)
+    in_system = warm_block(system["content"])
+    assert f"{SYSTEM_PROMPT}\n\n{text}" in system["content"]  # system_prompt_block's
+    assert in_system.startswith(opening)
+    assert 'read_file {"path": "notes.md"} -> ' in in_system  # A's call, and its result
+    assert "buy milk" in in_system.split("read_file", 1)[1]
+    assert user["content"].startswith(again.user + "\n\n<memory-context>")
+    context = user["content"].split("<memory-context>", 1)[1]
+    assert text in context  # the first prefetch's
+    assert warm_block(context) == in_system
