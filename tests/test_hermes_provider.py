@@ -758,11 +758,10 @@ def test_a_new_session_starts_warm_from_the_best_template_and_its_end_is_recorde
     second.initialize("s2", hermes_home=str(home), platform="cli")
     try:
         block = second.system_prompt_block()
+        assert block == second.system_prompt_block()  # asked again while new: the same
         assert block.startswith(SYSTEM_PROMPT)
         assert '<warm_start template="config-reading"' in block and "conf/app.toml" in block
-        warm = second.prefetch("")
-        assert '<warm_start template="config-reading"' in warm  # the first prefetch
-        assert "<warm_start" not in second.prefetch("")  # once
+        assert "<warm_start" not in second.prefetch("")  # the system prompt carried it
         assert "<warm_start" not in second.system_prompt_block()  # the session is not new
         msgs = _tool_turn("open the config", "c3", "conf/app.toml", {"content": "x"})
         second.sync_turn(msgs[0]["content"], msgs[-1]["content"], session_id="s2",
@@ -775,3 +774,24 @@ def test_a_new_session_starts_warm_from_the_best_template_and_its_end_is_recorde
         second.shutdown()
     assert stored is not None and stored.usage_count == 1 and stored.successes >= 1
     assert stats["file"].warm.sessions == 1 and stats["file"].cold.sessions == 1
+
+
+def test_a_host_whose_system_prompt_came_first_gets_the_warm_start_in_the_first_prefetch(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in (("WARM_START", "true"), ("MIN_EVIDENCE", "0"),
+                        ("MIN_SUCCESS_RATE", "0"), ("WARM_TASK_TYPE", "file")):
+        monkeypatch.setenv(f"HERMES_MEMORY_TEMPLATE_{name}", value)
+    p = HermesMemoryProvider()
+    p.initialize("s1", hermes_home=str(home), platform="cli")
+    try:
+        msgs = _tool_turn("open the app config", "c1", "conf/app.toml", {"content": "x"})
+        p.sync_turn(msgs[0]["content"], msgs[-1]["content"], session_id="s1", messages=msgs)
+        p.flush(WAIT_S)
+        p._require_runtime().call(lambda q: q.templates.extract("s1", "cfg"), WAIT_S)
+        p.on_session_switch("s2", reset=True)  # a new session; no system prompt asked for
+        first = p.prefetch("")
+        assert first.startswith('<warm_start template="cfg"') and "conf/app.toml" in first
+        assert "<warm_start" not in p.prefetch("")
+        assert "<warm_start" not in p.system_prompt_block()
+    finally:
+        p.shutdown()

@@ -3,8 +3,10 @@
 
 When ``TemplateSettings.warm_start`` is on, a brand-new session (nothing stored for it yet)
 gets the template chosen for its task type (``warm_task_type``, or the task type the user's
-recent tool calls make) and tags; its text block (``templates.warm_text``) goes out through
-``system_prompt_block`` while the session is new and with the session's first ``prefetch``.
+recent tool calls make) and tags; its text block (``templates.warm_text``) goes out once:
+through ``system_prompt_block`` while the session is new (Hermes builds the system prompt at
+the session's first turn, after ``initialize`` chose), or else with its first ``prefetch``
+(for a host whose system prompt was built before the choice).
 Every new session is recorded as a warm or a cold start (durable at once, on the caller's
 thread), and ``on_session_end`` records its outcome, which moves the template's success rate
 and the warm vs cold figures (``hermes-memory templates stats``).
@@ -77,12 +79,17 @@ class WarmStarts:
                  task_type=task_type)
 
     def system_block(self, session_id: str) -> str:
-        """The warm text while ``session_id`` is new ("" otherwise)."""
+        """The warm text while ``session_id`` is new ("" otherwise); the first prefetch then
+        does not repeat it."""
         with self._lock:
-            return self._new.get(session_id, "")
+            text = self._new.get(session_id, "")
+            if text:
+                self._pending.pop(session_id, None)
+            return text
 
     def take(self, session_id: str) -> str:
-        """The warm text for the session's first prefetch, once ("" after)."""
+        """The warm text for the session's first prefetch, unless the system prompt carried
+        it; once ("" after). The session is no longer new after it."""
         with self._lock:
             self._new.pop(session_id, None)
             return self._pending.pop(session_id, "")
