@@ -173,6 +173,10 @@ CREATE TABLE IF NOT EXISTS tool_calls (
 CREATE INDEX IF NOT EXISTS idx_tool_calls_user_tool ON tool_calls(user_id, tool, id);
 CREATE INDEX IF NOT EXISTS idx_tool_calls_user ON tool_calls(user_id, id);
 CREATE INDEX IF NOT EXISTS idx_tool_calls_session ON tool_calls(session_id, id);
+-- The failures no success has fixed yet: a new success looks for its failure here, rather
+-- than walking back over every call of its tool.
+CREATE INDEX IF NOT EXISTS idx_tool_calls_open_failures ON tool_calls(user_id, tool, id)
+    WHERE ok = 0 AND fixed_by IS NULL;
 CREATE TABLE IF NOT EXISTS tool_log_counts (
     user_id TEXT PRIMARY KEY,
     n INTEGER NOT NULL
