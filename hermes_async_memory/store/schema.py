@@ -7,6 +7,7 @@ from pathlib import Path
 import aiosqlite
 
 from ..errors import StoreError
+from .tool_log import TEMP_TABLES as TOOL_LOG_TEMP_TABLES
 
 # 2: recall requests and results are keyed by (session, user), not by session alone.
 # 3: key-value memory (memories, memories_fts); new tables only.
@@ -251,7 +252,7 @@ _ADDED_COLUMNS = (
 LEASE_GUARD = """
 CREATE TEMP TABLE IF NOT EXISTS lease_guard (held INTEGER NOT NULL CHECK (held));
 CREATE TEMP TABLE IF NOT EXISTS import_fresh (n INTEGER NOT NULL);
-"""
+""" + TOOL_LOG_TEMP_TABLES
 
 
 async def migrate(db: aiosqlite.Connection, path: Path) -> None:

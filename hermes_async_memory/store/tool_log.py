@@ -5,7 +5,7 @@ A turn's tool calls are logged in the transaction that commits the turn, from th
 it just inserted: an assistant message's ``tool_calls`` entries, each matched by id with the
 ``tool`` message of the same turn that answered it. So a logged call is exactly as durable as
 its turn, and is logged once (``UNIQUE (message_id, call_id)``; a turn commits once). The
-answer is judged a success or a failure by ``hm_tool_outcome``, a function the writer
+answer is judged a success or a failure by ``hm_tool_outcomes``, a function the writer
 connection registers with the configured ``OutcomeRules`` (``procedural.extract.judge``); it
 never raises, so no tool answer can fail its batch.
 
@@ -31,49 +31,76 @@ log = structlog.get_logger(__name__)
 
 _LIKE_ESCAPE = re.compile(r"[\\%_]")  # LIKE's wildcards and its escape character
 
-OUTCOME_FUNCTION = "hm_tool_outcome"
+OUTCOME_FUNCTION = "hm_tool_outcomes"
 
-# The batch's calls, their answers and outcomes are each worked out once (MATERIALIZED): as
-# a subquery, SQLite inlined the outcome into each of the four columns read from it and ran
-# the outcome function four times a call.
+# The batch's tool answers (the first tool message of a turn with a call's id) and goals
+# (each turn's first user message) go through temporary tables with real indexes, so every
+# call finds its answer and goal by key: as CTEs the plan depended on the planner choosing
+# automatic indexes, and looked up by session, an answer scan covered a session's whole share
+# of the batch per call (quadratic when a batch holds many turns of few sessions). The
+# answers are judged in ONE call of the outcome function per batch (all of them as a JSON
+# array): called per row, each call took the GIL back from a busy event loop, which holds it
+# up to the switch interval (5 ms), and a batch of 2,000 turns with five calls each took
+# minutes.
+TEMP_TABLES = """
+CREATE TEMP TABLE IF NOT EXISTS tool_answers (
+    i INTEGER PRIMARY KEY, turn_key TEXT NOT NULL, tool_call_id TEXT NOT NULL,
+    id INTEGER NOT NULL, content TEXT, UNIQUE (turn_key, tool_call_id));
+CREATE TEMP TABLE IF NOT EXISTS tool_outcomes (i INTEGER PRIMARY KEY, o TEXT);
+CREATE TEMP TABLE IF NOT EXISTS tool_goals (turn_key TEXT PRIMARY KEY, goal TEXT);
+"""
 INSERT_CALLS = """
-WITH c AS MATERIALIZED (
-    SELECT m.id AS message_id, m.turn_key, m.session_id,
-           coalesce(m.user_id, '') AS user_id, m.timestamp AS at, e.key AS n,
-           coalesce(e.value ->> '$.id', '#' || e.key) AS call_id,
-           e.value ->> '$.function.name' AS tool,
-           CASE json_type(e.value, '$.function.arguments')
-               WHEN 'text' THEN iif(json_valid(e.value ->> '$.function.arguments'),
-                                    json(e.value ->> '$.function.arguments'),
-                                    json_quote(e.value ->> '$.function.arguments'))
-               WHEN 'null' THEN '{{}}'
-               ELSE coalesce(e.value -> '$.function.arguments', '{{}}')
-           END AS arguments
-    FROM messages AS m,
-         json_each(iif(json_valid(m.tool_calls), m.tool_calls, '[]')) AS e
-    -- e.type first: no path is read from a value that is not an object (a malformed
-    -- JSON error would fail the batch).
-    WHERE {m_new} AND m.tool_calls IS NOT NULL
-      AND CASE WHEN e.type = 'object'
-               THEN json_type(e.value, '$.function.name') = 'text' END
-), r AS MATERIALIZED (
-    SELECT c.*, coalesce(substr(t.content, 1, 500), '') AS result,
-           iif(t.id IS NULL, '[0,"no_result","the call was never answered",null]',
-               hm_tool_outcome(t.content)) AS o,
-           (SELECT substr(g.content, 1, 500) FROM messages AS g
-            WHERE g.session_id = c.session_id AND {g_new} AND g.id < c.message_id
-              AND g.turn_key = c.turn_key AND g.role = 'user'
-            ORDER BY g.id DESC LIMIT 1) AS goal
-    FROM c
-    LEFT JOIN messages AS t
-        ON t.session_id = c.session_id AND {t_new} AND t.turn_key = c.turn_key
-       AND t.role = 'tool' AND t.tool_call_id = c.call_id
-)
+DELETE FROM temp.tool_answers;
+DELETE FROM temp.tool_outcomes;
+DELETE FROM temp.tool_goals;
+INSERT INTO temp.tool_answers (turn_key, tool_call_id, id, content)
+SELECT t.turn_key, t.tool_call_id, min(t.id), t.content FROM messages AS t
+WHERE {t_new} AND t.role = 'tool' AND t.tool_call_id IS NOT NULL
+GROUP BY t.turn_key, t.tool_call_id
+ORDER BY min(t.id);
+INSERT INTO temp.tool_outcomes (i, o)
+SELECT e.key + 1, e.value
+FROM json_each(hm_tool_outcomes((SELECT json_group_array(content)
+                                 FROM (SELECT content FROM temp.tool_answers ORDER BY i))))
+     AS e;
+INSERT INTO temp.tool_goals (turn_key, goal)
+SELECT g.turn_key, substr(g.content, 1, 500) FROM messages AS g
+WHERE {g_new} AND g.role = 'user'
+ORDER BY g.id
+ON CONFLICT (turn_key) DO NOTHING;
 INSERT INTO tool_calls (message_id, call_id, session_id, user_id, tool, arguments, result,
                         ok, error_type, error_message, duration_ms, goal, at)
 SELECT message_id, call_id, session_id, user_id, tool, arguments, result,
        o ->> 0, o ->> 1, o ->> 2, o ->> 3, goal, at
-FROM r
+FROM (
+    SELECT c.*, coalesce(substr(a.content, 1, 500), '') AS result,
+           iif(a.id IS NULL, '[0,"no_result","the call was never answered",null]',
+               coalesce(x.o, '[1,null,null,null]')) AS o,
+           g.goal
+    FROM (
+        SELECT m.id AS message_id, m.turn_key, m.session_id,
+               coalesce(m.user_id, '') AS user_id, m.timestamp AS at, e.key AS n,
+               coalesce(e.value ->> '$.id', '#' || e.key) AS call_id,
+               e.value ->> '$.function.name' AS tool,
+               CASE json_type(e.value, '$.function.arguments')
+                   WHEN 'text' THEN iif(json_valid(e.value ->> '$.function.arguments'),
+                                        json(e.value ->> '$.function.arguments'),
+                                        json_quote(e.value ->> '$.function.arguments'))
+                   WHEN 'null' THEN '{{}}'
+                   ELSE coalesce(e.value -> '$.function.arguments', '{{}}')
+               END AS arguments
+        FROM messages AS m,
+             json_each(iif(json_valid(m.tool_calls), m.tool_calls, '[]')) AS e
+        -- e.type first: no path is read from a value that is not an object (a malformed
+        -- JSON error would fail the batch).
+        WHERE {m_new} AND m.tool_calls IS NOT NULL
+          AND CASE WHEN e.type = 'object'
+                   THEN json_type(e.value, '$.function.name') = 'text' END
+    ) AS c
+    LEFT JOIN temp.tool_answers AS a ON a.turn_key = c.turn_key AND a.tool_call_id = c.call_id
+    LEFT JOIN temp.tool_outcomes AS x ON x.i = a.i
+    LEFT JOIN temp.tool_goals AS g ON g.turn_key = c.turn_key
+)
 WHERE true
 ORDER BY message_id, n
 ON CONFLICT (message_id, call_id) DO NOTHING;
@@ -155,19 +182,28 @@ def _statements(config: ToolLogConfig, messages: Callable[[str], str], new: str
 
 
 def outcome_function(rules: OutcomeRules) -> Any:
-    """``hm_tool_outcome(content)``: the JSON ``[ok, error_type, error_message,
-    duration_ms]`` of a tool's answer. It never raises: an exception from a user function
-    aborts its statement, and with it the batch of turns."""
+    """``hm_tool_outcomes(answers)``: for a JSON array of tools' answers (texts, or null),
+    the JSON array of their ``[ok, error_type, error_message, duration_ms]``. It never
+    raises (an exception from a user function aborts its statement, and with it the batch
+    of turns): an answer it cannot judge is a success, logged."""
 
-    def hm_tool_outcome(content: Any) -> str:
+    def hm_tool_outcomes(answers: Any) -> str:
         try:
-            o = judge(content if content is not None else "", rules)
-            return json.dumps([int(o.ok), o.error_type, o.error_message, o.duration_ms])
-        except Exception:  # a bug in a rule must not fail the turns' commit
-            log.error("tool_outcome_failed", exc_info=True)
-            return '[1,null,null,null]'
+            contents = json.loads(answers) if isinstance(answers, str) else []
+        except ValueError:
+            log.error("tool_outcomes_unreadable", exc_info=True)
+            return "[]"
+        out = []
+        for content in contents if isinstance(contents, list) else []:
+            try:
+                o = judge(content if content is not None else "", rules)
+                out.append([int(o.ok), o.error_type, o.error_message, o.duration_ms])
+            except Exception:  # a bug in a rule must not fail the turns' commit
+                log.error("tool_outcome_failed", exc_info=True)
+                out.append([1, None, None, None])
+        return json.dumps(out)
 
-    return hm_tool_outcome
+    return hm_tool_outcomes
 
 
 class CallRow(NamedTuple):
