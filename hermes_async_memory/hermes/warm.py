@@ -90,6 +90,8 @@ class WarmStarts:
     def take(self, session_id: str) -> str:
         """The warm text for the session's first prefetch, unless the system prompt carried
         it; once ("" after). The session is no longer new after it."""
+        if not self._new:  # every prefetch asks: no lock when no session is new
+            return ""
         with self._lock:
             self._new.pop(session_id, None)
             return self._pending.pop(session_id, "")

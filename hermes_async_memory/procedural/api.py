@@ -89,7 +89,8 @@ class ProceduralMemory:
             best = max(s for s, _ in scored)
             chosen = [r for s, r in scored if s == best]
             hints.append((best, SuccessHint(arguments=typical_arguments(
-                _args(r.arguments) for r in chosen), count=len(chosen), goal=goal)))
+                _args(r.arguments) for r in chosen), count=len(chosen), goal=goal,
+                tool=chosen[0].tool)))
         hints.sort(key=lambda h: (-h[0], -h[1].count))
         return [h for _, h in hints[:limit]]
 

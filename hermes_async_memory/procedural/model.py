@@ -71,6 +71,7 @@ class SuccessHint:
     arguments: Mapping[str, Any]
     count: int  # successes it is drawn from
     goal: str | None = None  # the goal it is for, when asked per goal
+    tool: str | None = None  # the tool it is for, when the question named none
 
 
 @dataclass(frozen=True)

@@ -104,20 +104,16 @@ async def _run(memory: ProceduralMemory, user_id: str | None, args: object
     if action == "arguments":
         goal = args["goal"].strip()
         hints = await memory.arguments_for(user_id, goal, tool=tool, limit=3)
-        if not hints:
-            return {"action": "arguments", "found": False,
-                    "answer": "No successful call is on record for that."}
         blocks = []
-        for tool_name in dict.fromkeys(
-                [tool] if tool else [c.tool for c in await memory.search(
-                    user_id, ok=True, limit=20)]):
-            examples = await memory.search(user_id, tool=tool_name, ok=True, limit=3)
-            mine = await memory.arguments_for(user_id, goal, tool=tool_name)
-            block = success_template(tool_name, goal, mine, examples, TOOL_SETTINGS)
+        for hint in hints:  # one a tool, the best matches first
+            name = hint.tool or tool or ""
+            examples = await memory.search(user_id, tool=name, ok=True, limit=3)
+            block = success_template(name, goal, [hint], examples, TOOL_SETTINGS)
             if block:
                 blocks.append(block)
-            if len(blocks) == 3:
-                break
+        if not blocks:
+            return {"action": "arguments", "found": False,
+                    "answer": "No successful call is on record for that."}
         return {"action": "arguments", "found": bool(blocks), "answer": "\n\n".join(blocks)}
     stats = await memory.stats(user_id, [tool] if tool else None, errors=2, hints=0)
     return {"action": "stats", "found": bool(stats),
