@@ -259,10 +259,19 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
             raise TypeError("the imported session's row is not an object")
         if not isinstance(started, (int, float)) or isinstance(started, bool):
             raise TypeError("the imported session's start is not a number")
+        # Everything the import's statements need is checked here, where a record is read:
+        # a part that failed in its batch would fail the batch's other records with it.
         if type(messages) is not list or not all(
                 type(m) is list and len(m) == IMPORTED_MESSAGE_FIELDS
-                and type(m[0]) is int and type(m[1]) is str for m in messages):
+                and type(m[0]) is int and type(m[1]) is str and type(m[3]) is str
+                and isinstance(m[8], (int, float)) and not isinstance(m[8], bool)
+                for m in messages):
             raise TypeError("the imported messages are mistyped")
+        if len({m[0] for m in messages}) != len(messages):
+            raise ValueError("the imported messages repeat an id")
+        # A lone surrogate (no UTF-8 store can hold one; SQLite's JSON would write bytes no
+        # read can decode) raises UnicodeEncodeError.
+        json.dumps([row, messages], ensure_ascii=False).encode("utf-8")
         started = float(started)
     snapshot = doc.get(SNAPSHOT_FIELD)
     if snapshot is not None and type(snapshot) is not dict:

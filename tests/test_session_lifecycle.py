@@ -262,6 +262,12 @@ async def test_import_into_a_store_whose_ids_are_taken_keeps_every_message(
      ' "timestamp": 1, "content": "a\\u0000b"}]}', "U\\+0000"),
     ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
      ' "timestamp": 1, "token_count": -1}]}', "token_count must be null or an integer"),
+    # Stored, SQLite's JSON would write bytes no later read (the export included) decodes.
+    ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
+     ' "timestamp": 1, "content": "a\\udc00b"}]}', "lone surrogate"),
+    ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
+     ' "timestamp": 1}, {"id": 1, "turn_key": "k", "role": "assistant", "timestamp": 2}]}',
+     "two messages have one id"),
 ])
 async def test_a_bad_import_line_is_refused_with_its_line_number(
         mem: MemoryPipeline, line: str, message: str) -> None:

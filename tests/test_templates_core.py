@@ -493,3 +493,12 @@ def test_round_trip_keeps_a_chosen_template_choosable() -> None:
     t = replace(extract(FILE_SESSION, name="f", session_id="s"), usage_count=5, successes=4,
                 failures=1)
     assert choose([Template.from_json(t.to_json())], "file") == t
+
+
+def test_a_document_with_a_tag_the_store_cannot_take_is_refused_when_read() -> None:
+    doc = _template("tagged").to_dict()
+    doc["tags"] = ["python,rust"]
+    with pytest.raises(InvalidTemplateError, match="comma"):
+        Template.from_dict(doc)
+    doc["tags"] = [" Python ", "python"]
+    assert Template.from_dict(doc).tags == ("python",)

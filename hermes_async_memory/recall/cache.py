@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..ops import OP_SESSION, parse_session_record
+from ..turns import TURN
 
 if TYPE_CHECKING:
     from ..turns import Turn
@@ -136,7 +137,7 @@ class RecallCache:
         ``on_change`` after them all."""
         limit, touch = self._recent_chars, self._touch
         for t in turns:
-            if t.kind != "turn":  # an operation: no session's turn
+            if t.kind != TURN:  # an operation: no session's turn
                 if t.kind == OP_SESSION and _deletes(t):
                     self.forget_session(t.session_id, t.user_id)
                 continue

@@ -190,6 +190,14 @@ def _parse(line: str, number: int) -> tuple[dict[str, Any], list[list[Any]]]:
     texts += [v for v in doc.values() if isinstance(v, str)]
     if any("\x00" in t for t in texts):
         raise InvalidImportError(f"line {number}: holds U+0000, which an import cannot carry")
+    try:
+        "".join(texts).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidImportError(f"line {number}: holds a lone surrogate, which no UTF-8 "
+                                 "store can hold") from None
+    ids = [m[0] for m in out]
+    if len(set(ids)) != len(ids):
+        raise InvalidImportError(f"line {number}: two messages have one id")
     return doc, out
 
 

@@ -156,11 +156,12 @@ class Batch:
             row[7] += t.input_tokens
             row[8] += t.output_tokens
         self._has_nul = self._has_nul or any([t.has_nul for t in turns])
-        self._has_tool_calls = self._has_tool_calls or any([t.tool_calls for t in turns])
         self._payloads.extend([t.payload for t in turns])
         runs = self._runs
         for t in turns:
             self.n_messages += t.n_messages
+            if t.tool_calls:
+                self._has_tool_calls = True
             if runs and runs[-1][0] == t.segment:
                 runs[-1][1] += t.n_messages
             else:

@@ -289,6 +289,9 @@ class Template:
             raise InvalidTemplateError(f"missing template key(s): {', '.join(missing)}")
         values = {k: _check(k, doc[k], kind) for k, kind in _FIELDS.items()}
         values["examples"] = tuple(_example(i, e) for i, e in enumerate(doc["examples"]))
+        # As stored and chosen by: a tag the store could not take is refused here, where a
+        # record is read, not when its batch is built (which would fail the whole batch).
+        values["tags"] = normalize_tags(values["tags"])
         return cls(**values)
 
     @classmethod
