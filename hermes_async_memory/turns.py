@@ -143,11 +143,8 @@ class Turn(NamedTuple):
             elif role == "user":
                 if not user:
                     user = m[1]
-            elif role == "tool":
-                tool_calls += 1
-                continue
-            if m[2]:
-                tool_calls += 1
+            if m[2]:  # an assistant's calls, as JSON text: counted as Hermes counts them
+                tool_calls += _n_calls(m[2])
         if metadata and isinstance(metadata, Mapping):
             md = metadata
             source, model, parent = (_str(md.get("source")), _str(md.get("model")),
@@ -387,6 +384,15 @@ def turn_messages(
                 rows.append(("assistant", assistant, None, None, None))
             return rows
     return [("user", user, None, None, None), ("assistant", assistant, None, None, None)]
+
+
+def _n_calls(calls_json: str) -> int:
+    """How many calls a message's ``tool_calls`` (JSON text) holds; 0 when it is no list."""
+    try:
+        calls = json.loads(calls_json)
+    except ValueError:
+        return 0
+    return len(calls) if type(calls) is list else 0
 
 
 def _row(i: int, m: Mapping[str, Any]) -> MessageRow:

@@ -296,7 +296,7 @@ async def test_openai_messages_store_this_turn_with_tool_calls(mem: MemoryPipeli
     assert stored[0]["metadata"] == {"model": "m1", "input_tokens": 12}
     session = await mem.store.get_session("s")
     assert session is not None
-    assert session["message_count"] == 4 and session["tool_call_count"] == 2
+    assert session["message_count"] == 4 and session["tool_call_count"] == 1  # one call
     assert session["input_tokens"] == 12 and session["model"] == "m1"
 
 

@@ -299,3 +299,44 @@ async def test_an_imported_sessions_calls_are_logged_with_their_fixes(tmp_path: 
         assert sorted((c.call_id, c.ok, c.fixes is not None) for c in calls) == before
         [fix] = await mem.procedural.fix_for("ann", "FileNotFoundError")
         assert dict(fix.delta.changed) == {"path": ("src/mian.py", "src/main.py")}
+
+
+async def test_a_version_4_stores_calls_are_logged_and_counted_at_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turns committed before the log existed (schema 4) get their calls logged at the
+    upgrade, oldest first and with their fixes, as if they had been logged at commit; the
+    sessions' tool call counts (which counted tool messages too) are recounted."""
+    from hermes_async_memory.store import schema
+
+    monkeypatch.setattr(schema, "BACKFILL_TURNS", 3)  # several groups, split inside a session
+    db = tmp_path / "m.db"
+    filler = [turn(f"step {i}", [call(f"e{i}", "terminal", command=f"echo {i}")],
+                   {f"e{i}": {"exit_code": 0}}) for i in range(30)]
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        await write(mem, SESSION, session="s1", user="ann")
+        await write(mem, filler, session="s2", user="bob")
+    with sqlite3.connect(db) as conn:
+        conn.executescript("""
+            DROP TABLE tool_calls; DROP TABLE tool_log_counts;
+            DROP TABLE templates; DROP TABLE template_sessions;
+            UPDATE sessions SET tool_call_count = 99;
+            UPDATE schema_version SET version = 4;""")
+    settings = Settings(db_path=db, tool_log_max_per_user=20)
+    async with MemoryPipeline(settings) as mem:
+        calls = {c.call_id: c for c in await mem.procedural.search("ann", limit=50)}
+        assert set(calls) == {"a1", "a2", "b1", "b2", "c1", "d1", "d2"}
+        assert (calls["d2"].ok, calls["d2"].error_type) == (False, "no_result")
+        [read_fix] = await mem.procedural.fix_for("ann", "FileNotFoundError")
+        assert dict(read_fix.delta.changed) == {"path": ("src/mian.py", "src/main.py")}
+        kept = [c.call_id for c in await mem.procedural.search("bob", limit=100)]
+        assert kept == [f"e{i}" for i in range(29, 29 - len(kept), -1)]  # the newest
+        assert 20 <= len(kept) <= 22
+        counts = {s: (await mem.store.get_session(s) or {})["tool_call_count"]
+                  for s in ("s1", "s2")}
+        assert counts == {"s1": 7, "s2": 30}
+        # Logging goes on from there, once per call.
+        await write(mem, [turn("again", [call("z1", "read_file", path="x")],
+                               {"z1": {"content": "x"}})], session="s1", user="ann")
+        assert len(await mem.procedural.search("ann", limit=50)) == 8
+    assert sqlite3.connect(db).execute("SELECT version FROM schema_version").fetchone() == (
+        schema.SCHEMA_VERSION,)

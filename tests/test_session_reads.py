@@ -72,8 +72,10 @@ async def test_list_is_newest_first_with_paging_and_filters(mem: MemoryPipeline)
 async def test_get_session_has_every_column_decoded(mem: MemoryPipeline) -> None:
     mem.sync_turn("q", "a", session_id="s", user_id="ann", messages=[
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "", "tool_calls": [_call("c1", "search")]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [_call("c1", "search"), _call("c2", "search")]},
         {"role": "tool", "tool_call_id": "c1", "content": "found"},
+        {"role": "tool", "tool_call_id": "c2", "content": "found too"},
         {"role": "assistant", "content": "a"},
     ], metadata={"source": "telegram", "model": "m1", "parent_session_id": "root",
                  "input_tokens": 12, "output_tokens": 5})
@@ -83,7 +85,8 @@ async def test_get_session_has_every_column_decoded(mem: MemoryPipeline) -> None
     assert info is not None
     assert (info.id, info.source, info.user_id, info.model, info.parent_session_id) == (
         "s", "telegram", "ann", "m1", "root")
-    assert (info.message_count, info.tool_call_count) == (4, 2)
+    # Calls are counted as Hermes counts them: the entries of the assistants' tool_calls.
+    assert (info.message_count, info.tool_call_count) == (5, 2)
     assert (info.input_tokens, info.output_tokens) == (12, 5)
     assert info.started_at <= info.updated_at
     assert (info.ended, info.end_reason, info.model_config, info.system_prompt,

@@ -102,7 +102,7 @@ class Connections:
                 await self._writer.create_function(
                     OUTCOME_FUNCTION, 1, outcome_function(self.tool_log.rules),
                     deterministic=True)
-            await migrate(self._writer, self.path)
+            await migrate(self._writer, self.path, self.tool_log)
             for _ in range(self._readers_n):
                 conn = await self._connect(readonly=True)
                 self._all_readers.append(conn)

@@ -8,6 +8,7 @@ import aiosqlite
 
 from ..errors import StoreError
 from .tool_log import TEMP_TABLES as TOOL_LOG_TEMP_TABLES
+from .tool_log import ToolLogConfig, range_log_statements
 
 # 2: recall requests and results are keyed by (session, user), not by session alone.
 # 3: key-value memory (memories, memories_fts); new tables only.
@@ -16,7 +17,10 @@ from .tool_log import TEMP_TABLES as TOOL_LOG_TEMP_TABLES
 #    source.
 # 5: the tool-call log (tool_calls, tool_log_counts); new tables only.
 # 6: warm-start templates (templates, template_sessions); new tables only.
-SCHEMA_VERSION = 6
+# 7: sessions count tool calls as Hermes does (the entries of the assistants' tool_calls; a
+#    tool message counted too before): recounted. The calls of turns committed before
+#    version 5 are logged. A deleted template's sessions are detached from its name.
+SCHEMA_VERSION = 7
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -246,7 +250,18 @@ _ADDED_COLUMNS = (
     ("sessions", "system_prompt", "TEXT"),
     ("sessions", "tokens_estimated", "INTEGER NOT NULL DEFAULT 0"),
     ("messages", "token_count", "INTEGER"),
+    # 1: the template the session started from was deleted (its name may be taken again).
+    ("template_sessions", "detached", "INTEGER NOT NULL DEFAULT 0"),
 )
+RECOUNT_TOOL_CALLS = """
+UPDATE sessions SET tool_call_count = (
+    SELECT coalesce(sum(CASE WHEN json_valid(m.tool_calls)
+                             THEN json_array_length(m.tool_calls) END), 0)
+    FROM messages AS m WHERE m.session_id = sessions.id AND m.tool_calls IS NOT NULL);
+"""
+# The backfill logs this many turns per statement group (each group's outcome function call
+# gets their answers as one JSON array).
+BACKFILL_TURNS = 2_000
 # Set on the writer connection: a batch of inbox turns commits only while its lease holds;
 # an imported part whose message ids are taken is inserted under new ids (lifecycle).
 LEASE_GUARD = """
@@ -255,9 +270,12 @@ CREATE TEMP TABLE IF NOT EXISTS import_fresh (n INTEGER NOT NULL);
 """ + TOOL_LOG_TEMP_TABLES
 
 
-async def migrate(db: aiosqlite.Connection, path: Path) -> None:
+async def migrate(db: aiosqlite.Connection, path: Path,
+                  tool_log: ToolLogConfig | None = None) -> None:
     """Create what a new file lacks, bring an older file's tables up to date, and set up the
-    writer connection's temporary tables.
+    writer connection's temporary tables. ``tool_log``: how commits log tool calls (the
+    connection has its outcome function), for the calls of an older file's turns; None:
+    they are not logged.
 
     Raises:
         StoreError: the file's schema is newer than this library knows.
@@ -280,14 +298,44 @@ async def migrate(db: aiosqlite.Connection, path: Path) -> None:
             f"{path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
         )
     elif row[0] < SCHEMA_VERSION:
-        if row[0] < 2:
+        version = row[0]
+        if version < 2:
             await _rekey_recalls(db)
         # Versions 3 to 6 only added tables, indexes and columns: the schema script and
-        # add_missing_columns make them.
-        await db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+        # add_missing_columns make them. Version 7's changes of rows run in one transaction
+        # with the version's update: a migration cut short runs again whole.
+        await add_missing_columns(db)
+        await db.commit()
+        script = [RECOUNT_TOOL_CALLS]
+        if version < 5 and tool_log is not None:
+            script += await _backfill_statements(db, tool_log)
+        script.append(f"UPDATE schema_version SET version = {SCHEMA_VERSION};")
+        await db.executescript(TOOL_LOG_TEMP_TABLES)
+        await db.executescript("BEGIN IMMEDIATE;" + "".join(script) + "COMMIT;")
     await add_missing_columns(db)
     await db.commit()
     await db.executescript(LEASE_GUARD)
+
+
+async def _backfill_statements(db: aiosqlite.Connection, tool_log: ToolLogConfig
+                               ) -> list[str]:
+    """Version 5: the statements that log the tool calls of the turns committed before the
+    log existed, oldest first (so the per-user bound drops the oldest), BACKFILL_TURNS
+    turns at a time. A turn's messages have consecutive ids from its first (ordinal 0)."""
+    async with db.execute("SELECT max(id) FROM messages") as cur:
+        row = await cur.fetchone()
+    last = int(row[0]) if row and row[0] is not None else 0
+    async with db.execute(
+            "SELECT id FROM (SELECT id, row_number() OVER (ORDER BY id) AS n FROM messages "
+            "WHERE ordinal = 0) WHERE n % ? = 1 AND n > 1", (BACKFILL_TURNS,)) as cur:
+        starts = [int(r[0]) for r in await cur.fetchall()]
+    script: list[str] = []
+    after = 0
+    for upto in [*(s - 1 for s in starts), last]:
+        if upto > after:
+            script += range_log_statements(tool_log, after, upto)
+        after = upto
+    return script
 
 
 async def _rekey_recalls(db: aiosqlite.Connection) -> None:

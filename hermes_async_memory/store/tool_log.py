@@ -161,6 +161,15 @@ def log_statements(config: ToolLogConfig, start: str) -> list[str]:
                        f"message_id > {start}")
 
 
+def range_log_statements(config: ToolLogConfig, after: int, upto: int) -> list[str]:
+    """The statements that log the tool calls of the messages with ids in (after, upto], a
+    run of whole turns (the backfill of turns committed before the log existed)."""
+    def messages(alias: str) -> str:
+        return f"{alias}.id > {int(after)} AND {alias}.id <= {int(upto)}"
+    return _statements(config, messages,
+                       f"message_id > {int(after)} AND message_id <= {int(upto)}")
+
+
 def session_log_statements(config: ToolLogConfig, session_literal: str) -> list[str]:
     """The statements that log the tool calls of a whole session (an imported one, whose
     message ids are its own): calls already logged stay as they are."""
