@@ -308,6 +308,31 @@ async def test_delete_removes_a_template_and_keeps_its_sessions_numbers(
     assert stats.warm.sessions == 1
     # The ended session's outcome goes nowhere, and is still recorded.
     assert (await mem.templates.end("w1")).template == "T"
+    # A template saved again under the name starts from no evidence: the old session's
+    # ends do not move its counts (they took an outcome back that it never had).
+    await mem.templates.extract("c1", "T")
+    await mem.templates.end("w1", feedback=False)
+    await mem.templates.end("w1", feedback=True)
+    t = await mem.templates.get("T")
+    assert t is not None and (t.usage_count, t.successes, t.failures) == (0, 0, 0)
+    [stats] = await mem.templates.stats()
+    assert (stats.warm.sessions, stats.warm.ended) == (1, 1)
+
+
+async def test_deleting_a_session_removes_its_warm_start_row(mem: MemoryPipeline) -> None:
+    write(mem, "c1", CODE_SESSION)
+    await mem.templates.extract("c1", "T")
+    for sid in ("w1", "w2"):
+        await mem.templates.start(sid, "T")
+        write(mem, sid, calls_session([[True]]))
+        await mem.templates.end(sid)
+    await mem.sessions.delete("w1")
+    await mem.flush()
+    [stats] = await mem.templates.stats()
+    assert (stats.warm.sessions, stats.warm.ended) == (1, 1)
+    # The template's counts are evidence without content: they keep the deleted session.
+    t = await mem.templates.get("T")
+    assert t is not None and (t.usage_count, t.successes) == (2, 2)
 
 
 async def test_bad_input_is_refused_before_anything_is_accepted(mem: MemoryPipeline) -> None:

@@ -112,8 +112,10 @@ class SessionWrites:
         return self._accept(sid, _user(user_id), "end", reason=_text("reason", reason))
 
     def delete_nowait(self, session_id: str, *, user_id: str | None = None) -> Receipt:
-        """Delete the session with its messages, their index rows, its recall requests and
-        cached blocks, and the turns still waiting for a replica backend. A turn of the
+        """Delete the session with its messages, their index rows, its logged tool calls,
+        its recall requests and cached blocks, its warm-start row (the template's usage and
+        outcome counts keep it: they hold no content), and the turns still waiting for a
+        replica backend. A turn of the
         session accepted before this goes too; one accepted after starts it anew.
         ``user_id``, when known, also drops the recall blocks of that user's other
         sessions (they may quote this one).

@@ -81,6 +81,7 @@ DELETE FROM messages WHERE session_id = {id} AND {condition};
 DELETE FROM recall_requests WHERE session_id = {id} AND {condition};
 DELETE FROM recall_results WHERE session_id = {id} AND {condition};
 DELETE FROM replica_outbox WHERE session_id = {id} AND {condition};
+DELETE FROM template_sessions WHERE session_id = {id} AND {condition};
 DELETE FROM sessions WHERE id = {id} AND {condition};
 """
 

@@ -9,8 +9,9 @@ statement (or two) each:
   are evidence the store gathered, not content. Mode "keep" leaves a stored one as it is;
   "auto" also inserts nothing when a template of the same task type has the same examples
   (``signature``) or the same source session.
-- ``delete`` removes the template (the sessions started from it keep their rows: they
-  still count for warm vs cold).
+- ``delete`` removes the template. The sessions started from it keep their rows (they
+  still count for warm vs cold) but are detached from the name: a template saved later
+  under it starts from no evidence, and their ends no longer move its counts.
 - ``use`` records a session's start, warm (a template's name) or cold, once: a second start
   of the same session changes nothing, and the template's usage count moves only with the
   first.
@@ -50,7 +51,10 @@ REPLACE_CONTENT = """UPDATE SET task_type = excluded.task_type, tags = excluded.
     updated_at = max(templates.updated_at, excluded.updated_at)"""
 NOT_A_DUPLICATE = """NOT EXISTS (SELECT 1 FROM templates WHERE task_type = {task_type}
     AND (signature = {signature} OR source_session_id = {source}))"""
-DELETE = "DELETE FROM templates WHERE name = {name};"
+DELETE = """
+DELETE FROM templates WHERE name = {name};
+UPDATE template_sessions SET detached = 1 WHERE template = {name} AND detached = 0;
+"""
 USE = """
 UPDATE templates SET usage_count = usage_count + 1, updated_at = max(updated_at, {at})
 WHERE name = {name} AND NOT EXISTS (SELECT 1 FROM template_sessions WHERE session_id = {sid});
@@ -65,7 +69,8 @@ UPDATE templates SET
     failures = failures + (1 - {ok}) - coalesce(
         (SELECT ok = 0 FROM template_sessions WHERE session_id = {sid}), 0),
     updated_at = max(updated_at, {at})
-WHERE name = (SELECT template FROM template_sessions WHERE session_id = {sid});
+WHERE name = (SELECT template FROM template_sessions
+              WHERE session_id = {sid} AND detached = 0);
 INSERT INTO template_sessions (session_id, template, task_type, started_at, ended_at, ok,
                                first_calls, first_errors)
 VALUES ({sid}, NULL, {task_type},
