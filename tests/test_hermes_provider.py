@@ -592,8 +592,22 @@ def test_save_config_then_initialize_uses_it(home: Path, tmp_path: Path,
     assert hconfig.load(home).settings.recall_limit == 3
 
 
+def test_template_settings_come_from_the_config_file_then_the_environment(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    HermesMemoryProvider().save_config(
+        {"template_warm_start": True, "template_warm_task_type": "code",
+         "template_warm_tags": "python,web", "template_min_evidence": 5}, str(home))
+    t = hconfig.load(home, environ={}).settings.templates
+    assert (t.warm_start, t.warm_task_type, t.warm_tags, t.min_evidence) == (
+        True, "code", ("python", "web"), 5)
+    t = hconfig.load(home, environ={"HERMES_MEMORY_TEMPLATE_MIN_EVIDENCE": "2"}
+                     ).settings.templates
+    assert (t.warm_start, t.min_evidence) == (True, 2)
+
+
 @pytest.mark.parametrize("values", [{"recall_limit": "many"}, {"no_such_key": 1},
-                                    {"recall_limit": True}])
+                                    {"recall_limit": True}, {"template_threshold": "2"},
+                                    {"template_warm_start": "maybe"}])
 def test_invalid_config_is_refused_and_not_written(home: Path, values: dict[str, Any]) -> None:
     with pytest.raises(hconfig.ConfigurationError):
         HermesMemoryProvider().save_config(values, str(home))

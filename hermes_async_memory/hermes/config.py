@@ -5,6 +5,8 @@
     $HERMES_HOME/plugins/hermes_async_memory/   the plugin (``hermes-memory hermes install``)
 
 Precedence, lowest first: the defaults, the config file, ``HERMES_MEMORY_<FIELD>`` variables.
+The file's ``honcho_<field>`` and ``template_<field>`` keys are the Honcho backend's and the
+templates' settings (``HONCHO_<FIELD>`` and ``HERMES_MEMORY_TEMPLATE_<FIELD>`` variables).
 This module imports nothing from hermes-agent at import time.
 """
 
@@ -33,6 +35,7 @@ from ..settings import (
     auto_backend,
 )
 from ..templates import TemplateSettings
+from ..templates.model import ENV_PREFIX as TEMPLATE_PREFIX
 
 PROVIDER_NAME = "hermes_async_memory"
 CONFIG_FILE = f"{PROVIDER_NAME}.json"
@@ -46,6 +49,10 @@ _PROVIDER_FIELDS = frozenset({DEFAULT_USER_ID})
 # The Honcho backend's options, as "honcho_<field>" keys (HONCHO_<FIELD> in the environment).
 HONCHO_KEY_PREFIX = "honcho_"
 _HONCHO_FIELDS = {HONCHO_KEY_PREFIX + f.name for f in dataclasses.fields(HonchoConfig)}
+# Warm starts and templates, as "template_<field>" keys (HERMES_MEMORY_TEMPLATE_<FIELD>).
+TEMPLATE_KEY_PREFIX = "template_"
+_TEMPLATE_FIELDS = {TEMPLATE_KEY_PREFIX + f.name
+                    for f in dataclasses.fields(TemplateSettings)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +132,14 @@ def resolve(hermes_home: Path, values: Mapping[str, Any],
     try:
         chosen = read_env(Settings, text, "", skip=STRUCTURED_FIELDS, upper=False)
         honcho = read_env(HonchoConfig, text, HONCHO_KEY_PREFIX, upper=False)
+        templates = read_env(TemplateSettings, text, TEMPLATE_KEY_PREFIX, upper=False)
+        TemplateSettings(**templates)  # type: ignore[arg-type]  # the file's own errors
     except ConfigurationError as exc:
         raise ConfigurationError(f"the provider config: {exc}") from None
     from_env = read_env(Settings, environ, ENV_PREFIX, skip=STRUCTURED_FIELDS)
     chosen.update(from_env)
     honcho.update(read_env(HonchoConfig, environ, HONCHO_PREFIX))
+    templates.update(read_env(TemplateSettings, environ, TEMPLATE_PREFIX))
     db = chosen.get("db_path")
     if db is None:
         chosen["db_path"] = hermes_home / DEFAULT_DB
@@ -141,8 +151,7 @@ def resolve(hermes_home: Path, values: Mapping[str, Any],
     chosen.setdefault("backend", auto_backend(chosen, environ))
     if chosen.get("backend") == "honcho":
         chosen["honcho"] = HonchoConfig(**honcho)  # type: ignore[arg-type]
-    # HERMES_MEMORY_TEMPLATE_* (warm starts among them), read as Settings.from_env does.
-    chosen["templates"] = TemplateSettings.from_env(environ)
+    chosen["templates"] = TemplateSettings(**templates)  # type: ignore[arg-type]
     settings = Settings(**chosen)  # type: ignore[arg-type]
     user = values.get(DEFAULT_USER_ID)
     if user is not None and not isinstance(user, str):
@@ -200,6 +209,11 @@ def config_schema() -> list[dict[str, Any]]:
          "description": "Key-value memory (the memory tool): local, honcho (local, mirrored "
                         "to Honcho), null (stores nothing) or auto (as the replica backend)",
          "default": "auto", "choices": list(KV_BACKENDS)},
+        {"key": "template_warm_start",
+         "description": "Start each new session warm from the best proven template of its "
+                        "task type (template_warm_task_type; unset: the one the user's recent "
+                        "tool calls make)",
+         "default": "false", "choices": ["false", "true"]},
         {"key": "honcho_base_url", "description": "Honcho base URL (self-hosted or cloud)",
          "default": PRODUCTION_URL, "env_var": HONCHO_PREFIX + "BASE_URL"},
         {"key": "honcho_api_key",
@@ -227,7 +241,8 @@ def _default(name: str) -> str:
 
 
 def _check_keys(values: Mapping[str, Any], where: str) -> None:
-    unknown = sorted(set(values) - _SETTING_FIELDS - _PROVIDER_FIELDS - set(_HONCHO_FIELDS))
+    unknown = sorted(set(values) - _SETTING_FIELDS - _PROVIDER_FIELDS - _HONCHO_FIELDS
+                     - _TEMPLATE_FIELDS)
     if "honcho_api_key" in values:
         raise ConfigurationError(
             f"{where}: the Honcho API key belongs in the environment (HONCHO_API_KEY, which "
