@@ -18,6 +18,7 @@ Every key list and the exception pattern are settings.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,13 @@ class OutcomeRules:
     exception_pattern: str = (
         r"(?m)^(?:Traceback \(most recent call last\)|(?:[\w.]*\.)?"
         r"(?P<type>[A-Z]\w*(?:Error|Exception)):)")
+
+
+_DEFAULT_PATTERN = OutcomeRules.exception_pattern
+# The default pattern cannot match a text without one of these (a substring test is ~20x
+# cheaper than the pattern's scan, and most answers are successes).
+_DEFAULT_PATTERN_NEEDS = ("Error", "Exception", "Traceback")
+_compiled = functools.lru_cache(maxsize=32)(re.compile)
 
 
 @dataclass(frozen=True)
@@ -98,9 +106,12 @@ def judge(content: Any, rules: OutcomeRules = OutcomeRules()) -> Outcome:
                 return Outcome(False, "exit_code",
                                f"exit code {code}{': ' + detail if detail else ''}"
                                [:ERROR_CHARS], duration)
+    pattern = rules.exception_pattern
+    if pattern == _DEFAULT_PATTERN and not any([w in text for w in _DEFAULT_PATTERN_NEEDS]):
+        return Outcome(True, duration_ms=duration)  # (the answer's text holds its fields')
     if doc is not None:  # the pattern looks at the lines of the text fields, not at JSON
         text = "\n".join(v for v in doc.values() if isinstance(v, str))
-    match = re.search(rules.exception_pattern, text)
+    match = _compiled(pattern).search(text)
     if match is not None:
         kind: str = match.group("type") or _last_exception_type(text) or "exception"
         lines = text[match.start():].splitlines()

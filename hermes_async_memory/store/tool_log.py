@@ -46,7 +46,7 @@ TEMP_TABLES = """
 CREATE TEMP TABLE IF NOT EXISTS tool_answers (
     i INTEGER PRIMARY KEY, turn_key TEXT NOT NULL, tool_call_id TEXT NOT NULL,
     id INTEGER NOT NULL, content TEXT, UNIQUE (turn_key, tool_call_id));
-CREATE TEMP TABLE IF NOT EXISTS tool_outcomes (i INTEGER PRIMARY KEY, o TEXT);
+CREATE TEMP TABLE IF NOT EXISTS tool_outcomes (i INTEGER PRIMARY KEY, o TEXT NOT NULL);
 CREATE TEMP TABLE IF NOT EXISTS tool_goals (turn_key TEXT PRIMARY KEY, goal TEXT);
 """
 INSERT_CALLS = """
@@ -62,7 +62,8 @@ INSERT INTO temp.tool_outcomes (i, o)
 SELECT e.key + 1, e.value
 FROM json_each(hm_tool_outcomes((SELECT json_group_array(content)
                                  FROM (SELECT content FROM temp.tool_answers ORDER BY i))))
-     AS e;
+     AS e
+WHERE e.type = 'array';
 INSERT INTO temp.tool_goals (turn_key, goal)
 SELECT g.turn_key, substr(g.content, 1, 500) FROM messages AS g
 WHERE {g_new} AND g.role = 'user'
@@ -71,12 +72,16 @@ ON CONFLICT (turn_key) DO NOTHING;
 INSERT INTO tool_calls (message_id, call_id, session_id, user_id, tool, arguments, result,
                         ok, error_type, error_message, duration_ms, goal, at)
 SELECT message_id, call_id, session_id, user_id, tool, arguments, result,
-       o ->> 0, o ->> 1, o ->> 2, o ->> 3, goal, at
+       CASE WHEN answered IS NULL THEN 0 WHEN o IS NULL THEN 1 ELSE o ->> 0 END,
+       CASE WHEN answered IS NULL THEN 'no_result' WHEN o IS NOT NULL THEN o ->> 1 END,
+       CASE WHEN answered IS NULL THEN 'the call was never answered'
+            WHEN o IS NOT NULL THEN o ->> 2 END,
+       CASE WHEN o IS NOT NULL THEN o ->> 3 END,
+       goal, at
 FROM (
-    SELECT c.*, coalesce(substr(a.content, 1, 500), '') AS result,
-           iif(a.id IS NULL, '[0,"no_result","the call was never answered",null]',
-               coalesce(x.o, '[1,null,null,null]')) AS o,
-           g.goal
+    -- A plain success has no outcome row: no JSON is read for it.
+    SELECT c.*, coalesce(substr(a.content, 1, 500), '') AS result, a.id AS answered,
+           x.o, g.goal
     FROM (
         SELECT m.id AS message_id, m.turn_key, m.session_id,
                coalesce(m.user_id, '') AS user_id, m.timestamp AS at, e.key AS n,
@@ -192,9 +197,10 @@ def _statements(config: ToolLogConfig, messages: Callable[[str], str], new: str
 
 def outcome_function(rules: OutcomeRules) -> Any:
     """``hm_tool_outcomes(answers)``: for a JSON array of tools' answers (texts, or null),
-    the JSON array of their ``[ok, error_type, error_message, duration_ms]``. It never
-    raises (an exception from a user function aborts its statement, and with it the batch
-    of turns): an answer it cannot judge is a success, logged."""
+    the JSON array of their ``[ok, error_type, error_message, duration_ms]``, null for a
+    success with no duration (most answers: the statement then reads no JSON for them). It
+    never raises (an exception from a user function aborts its statement, and with it the
+    batch of turns): an answer it cannot judge is a success, logged."""
 
     def hm_tool_outcomes(answers: Any) -> str:
         try:
@@ -206,10 +212,11 @@ def outcome_function(rules: OutcomeRules) -> Any:
         for content in contents if isinstance(contents, list) else []:
             try:
                 o = judge(content if content is not None else "", rules)
-                out.append([int(o.ok), o.error_type, o.error_message, o.duration_ms])
+                out.append(None if o.ok and o.duration_ms is None else
+                           [int(o.ok), o.error_type, o.error_message, o.duration_ms])
             except Exception:  # a bug in a rule must not fail the turns' commit
                 log.error("tool_outcome_failed", exc_info=True)
-                out.append([1, None, None, None])
+                out.append(None)
         return json.dumps(out)
 
     return hm_tool_outcomes
