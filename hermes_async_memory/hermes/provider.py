@@ -42,7 +42,7 @@ from ..procedural.tool import PROCEDURAL_SCHEMA, PROCEDURAL_TOOL, call_procedura
 from ..settings import Settings
 from . import config as _config
 from .runtime import Runtime, acquire, release
-from .search_tool import MAX_TOOL_LIMIT, SEARCH_SCHEMA, SEARCH_TOOL, SYSTEM_PROMPT
+from .search_tool import SEARCH_SCHEMA, SEARCH_TOOL, SYSTEM_PROMPT, search_arguments
 from .turn_messages import this_turn, token_counts
 from .warm import WarmStarts, tools_summary
 
@@ -288,16 +288,10 @@ class HermesMemoryProvider(_ProviderBase):
                 return _json_error(f"{tool_name} failed: {type(exc).__name__}: {exc}")
         if tool_name != SEARCH_TOOL:
             return _json_error(f"{PROVIDER_NAME} has no tool named {tool_name!r}")
-        if not isinstance(args, Mapping):
-            return _json_error("arguments must be a JSON object")
-        query, scope, limit = args.get("query"), args.get("scope") or "user", args.get("limit")
-        if not isinstance(query, str) or not query.strip():
-            return _json_error("query must be a non-empty string")
-        if scope not in ("user", "session"):
-            return _json_error("scope must be 'user' or 'session'")
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or not 1 <= limit <= MAX_TOOL_LIMIT):
-            return _json_error(f"limit must be an integer from 1 to {MAX_TOOL_LIMIT}")
+        try:
+            query, scope, limit = search_arguments(args)
+        except ValueError as exc:
+            return _json_error(str(exc))
         try:
             block = self.search(query, scope=scope, limit=limit, timeout_s=TOOL_TIMEOUT_S)
         except (HermesMemoryError, TimeoutError) as exc:

@@ -3,6 +3,7 @@ and the tool's schema (OpenAI function format)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 SEARCH_TOOL = "memory_search"
@@ -38,3 +39,22 @@ SEARCH_SCHEMA: dict[str, Any] = {
         "required": ["query"],
     },
 }
+
+
+def search_arguments(args: object) -> tuple[str, str, int | None]:
+    """The tool call's (query, scope, limit).
+
+    Raises:
+        ValueError: an argument is missing or invalid (the message says which).
+    """
+    if not isinstance(args, Mapping):
+        raise ValueError("arguments must be a JSON object")
+    query, scope, limit = args.get("query"), args.get("scope") or "user", args.get("limit")
+    if not isinstance(query, str) or not query.strip():
+        raise ValueError("query must be a non-empty string")
+    if scope not in ("user", "session"):
+        raise ValueError("scope must be 'user' or 'session'")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                              or not 1 <= limit <= MAX_TOOL_LIMIT):
+        raise ValueError(f"limit must be an integer from 1 to {MAX_TOOL_LIMIT}")
+    return query, scope, limit
