@@ -258,13 +258,17 @@ class Writer:
         if work.replay:
             items = await self._drop_held(source, items)
         run: list[Turn] = []
-        for item in items:
+        # A lifecycle event's statements run after its batch's messages, so a record of the
+        # same session behind it must commit in a later transaction (a deleted session's next
+        # turn starts it anew, it is not deleted too; a later turn's model outranks an earlier
+        # describe's): the event ends its batch when its session has a record after it.
+        last: dict[str, int] = {}
+        if any([isinstance(t, Turn) and t.kind == OP_SESSION for t in items]):
+            last = {t.session_id: i for i, t in enumerate(items) if isinstance(t, Turn)}
+        for i, item in enumerate(items):
             if isinstance(item, Turn):
                 run.append(item)
-                if item.kind == OP_SESSION:
-                    # A lifecycle event ends its batch: its statements run after the batch's
-                    # messages, so a turn behind it must commit in a later transaction (a
-                    # deleted session's next turn starts it anew, it is not deleted too).
+                if item.kind == OP_SESSION and last[item.session_id] > i:
                     await self._write(source, run)
                     run = []
                 continue

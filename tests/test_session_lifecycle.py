@@ -69,6 +69,29 @@ async def test_describe_and_end_fill_the_session_row(mem: MemoryPipeline) -> Non
         "timeout", "bob", 0)
 
 
+async def test_lifecycle_events_share_a_batch_unless_their_session_comes_again(
+        tmp_path: Path) -> None:
+    """A gateway starting many sessions at once: each one's describe commits with the other
+    sessions' turns (one transaction, not one per event); an event whose session has a
+    later record in the batch still ends it, so the later one wins."""
+    settings = Settings(db_path=tmp_path / "m.db", max_wait_ms=50)
+    async with MemoryPipeline(settings) as mem:
+        writes = SessionWrites(mem)
+        for i in range(40):
+            writes.describe_nowait(f"s{i}", model="m-start")
+            mem.sync_turn(f"hello {i}", "hi", session_id=f"other{i}")
+        mem.sync_turn("first", "ok", session_id="x", metadata={"model": "m-turn"})
+        writes.describe_nowait("x", model="m-described")
+        mem.sync_turn("second", "ok", session_id="x", metadata={"model": "m-later"})
+        await mem.flush()
+        batches = mem.stats().batches_committed
+    assert batches <= 3  # was 42: one per event, and the rest
+    assert [session_row(settings.db_path, f"s{i}")["model"] for i in range(40)] == [
+        "m-start"] * 40
+    x = session_row(settings.db_path, "x")
+    assert x is not None and x["model"] == "m-later" and x["message_count"] == 4
+
+
 async def test_delete_takes_the_pending_turns_before_it_and_not_those_after(
         mem: MemoryPipeline) -> None:
     db = mem.settings.db_path
