@@ -12,6 +12,7 @@ import structlog
 from hermes_async_memory import MemoryPipeline, Settings
 
 from .fake_honcho import FakeHoncho
+from .pg_server import PostgresServer, PostgresUnavailable
 from .processes import ROOT, Spawn, Worker, child_env
 
 
@@ -83,3 +84,31 @@ def fake(fake_server: FakeHoncho) -> Iterator[FakeHoncho]:
         fake_server.up()
     yield fake_server
     fake_server.release_hangs()
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[PostgresServer]:
+    """A PostgreSQL 15 server for the whole run (tests/pg_server.py), on 127.0.0.1, run as an
+    unprivileged account when the tests run as root; stopped and removed at the end, however
+    the run ends. No binaries: every test that needs it fails with one line saying so."""
+    try:
+        server = PostgresServer.create()
+    except PostgresUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        try:
+            server.start()
+        except PostgresUnavailable as exc:
+            pytest.fail(str(exc), pytrace=False)
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def pg_dsn(pg_server: PostgresServer) -> str:
+    """A new, empty database of this test's own (as the application's role, with its
+    password): tests do not see each other's rows."""
+    if not pg_server.running:  # a test that stopped it failed before starting it again
+        pg_server.start()
+    return pg_server.create_database()
