@@ -12,7 +12,11 @@
     │   ├── StoreAccessError      the store's file or folder cannot be used (read-only, missing)
     │   ├── CorruptStoreError     the store file is damaged or is not a SQLite store of ours
     │   ├── CorruptOutboxError    an outbox segment cannot be used at all
-    │   └── LeaseLostError        another worker took over inbox turns this one had claimed
+    │   ├── LeaseLostError        another worker took over inbox turns (or a shared job) this
+    │   │                         one had claimed
+    │   └── DatabaseError         the PostgreSQL store failed; the DSN shown has no password
+    │       ├── DatabaseUnavailableError  it cannot be reached now (refused, timed out, down)
+    │       └── SchemaVersionError        its schema is older or newer than this library
     └── BackendError              a replica backend failed
 """
 
@@ -84,6 +88,31 @@ class CorruptOutboxError(StoreError):
 
 class LeaseLostError(StoreError):
     """A worker's claim on inbox turns expired and another worker holds them now."""
+
+
+class DatabaseError(StoreError):
+    """The PostgreSQL store failed. ``dsn`` is where, with its password replaced by ``***``;
+    neither it nor the message ever holds the password."""
+
+    def __init__(self, message: str, *, dsn: str | None = None) -> None:
+        self.dsn = dsn
+        super().__init__(message)
+
+
+class DatabaseUnavailableError(DatabaseError):
+    """The PostgreSQL store cannot be reached now (connection refused or lost, timed out,
+    shutting down): what was accepted stays durable locally; try again later."""
+
+
+class SchemaVersionError(DatabaseError):
+    """The database's schema is not the one this library uses: ``found`` is its version,
+    ``expected`` this library's. Older: run ``hermes-memory db upgrade``."""
+
+    def __init__(self, message: str, *, found: int, expected: int,
+                 dsn: str | None = None) -> None:
+        self.found = found
+        self.expected = expected
+        super().__init__(message, dsn=dsn)
 
 
 class BackendError(HermesMemoryError):

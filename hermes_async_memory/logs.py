@@ -6,6 +6,8 @@ that calls ``structlog.configure``. Lines go to stderr, so stdout stays for what
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import sys
 from collections.abc import Mapping, MutableMapping
 from typing import Any
@@ -23,6 +25,13 @@ SECRET_MARKERS = ("api_key", "apikey", "secret", "password", "passwd", "authoriz
 # substring: "input_tokens" and "recall_snippet_tokens" are counts, not credentials.
 TOKEN_MARKER = "token"
 
+# Credentials written inside a value: a URL's password (scheme://user:PASSWORD@host; up to
+# the last @ of the run, so a password holding an unescaped @ is covered too), and
+# password=... as a query parameter or a libpq keyword/value pair (quoted or not).
+_URL_PASSWORD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://[^\s:/?#@]*):[^\s]*@")
+_KEYWORD_PASSWORD = re.compile(
+    r"(?i)\b((?:ssl)?password|passwd|pwd)(\s*=\s*)('(?:[^'\\]|\\.)*'?|[^\s&;]*)")
+
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
 _MAX_DEPTH = 4
 
@@ -37,7 +46,19 @@ def is_secret_key(key: object) -> bool:
     return any(part.endswith(TOKEN_MARKER) for part in name.split("_"))
 
 
+def redact_credentials(text: str) -> str:
+    """``text`` with the passwords written in it replaced by "***": a URL's
+    (``postgresql://user:***@host/db``) and ``password=***`` pairs."""
+    if "@" in text:
+        text = _URL_PASSWORD.sub(rf"\1:{REDACTED}@", text)
+    if "=" in text:
+        text = _KEYWORD_PASSWORD.sub(rf"\1\2{REDACTED}", text)
+    return text
+
+
 def _redact(value: Any, depth: int) -> Any:
+    if isinstance(value, str):
+        return redact_credentials(value)
     if depth >= _MAX_DEPTH:
         return value
     if isinstance(value, Mapping):
@@ -52,11 +73,12 @@ def _redact(value: Any, depth: int) -> Any:
 def redact_secrets(
     logger: WrappedLogger, method_name: str, event_dict: MutableMapping[str, Any]
 ) -> MutableMapping[str, Any]:
-    """A structlog processor: the value of every secret-named key, also nested, becomes "***"."""
+    """A structlog processor: the value of every secret-named key, also nested, becomes "***",
+    and a password written inside a text (a DSN's) is replaced (``redact_credentials``)."""
     for key, value in event_dict.items():
         if is_secret_key(key):
             event_dict[key] = REDACTED
-        elif isinstance(value, (Mapping, list, tuple)):
+        elif isinstance(value, (str, Mapping, list, tuple)):
             event_dict[key] = _redact(value, 1)
     return event_dict
 
@@ -83,10 +105,16 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
         redact_secrets,
         structlog.processors.StackInfoRenderer(),
     ]
+    # Tracebacks without the frames' local variables: those hold what the code was given, a
+    # DSN with its password, an API key, users' messages (structlog renders them by default).
     if json:
-        processors += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        processors += [
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)),
+            structlog.processors.JSONRenderer()]
     else:
-        processors.append(structlog.dev.ConsoleRenderer(colors=stream.isatty()))
+        processors.append(structlog.dev.ConsoleRenderer(
+            colors=stream.isatty(), exception_formatter=_console_tracebacks()))
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(min_level),
@@ -95,3 +123,11 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
         # module-level loggers too. The lookup costs ~1 µs, and lines are per batch.
         cache_logger_on_first_use=False,
     )
+
+
+def _console_tracebacks() -> structlog.typing.ExceptionRenderer:
+    """rich's tracebacks when rich is installed (the cli extra), without locals; else the
+    plain ones (better-exceptions, structlog's other choice, prints variables' values)."""
+    if importlib.util.find_spec("rich") is None:
+        return structlog.dev.plain_traceback
+    return structlog.dev.RichTracebackFormatter(show_locals=False)

@@ -16,6 +16,7 @@ import platformdirs
 from .backends.honcho import HonchoConfig
 from .env import read_env
 from .errors import ConfigurationError
+from .logs import redact_credentials
 from .procedural.extract import OutcomeRules
 from .procedural.format import ContextSettings
 from .templates.model import TemplateSettings
@@ -28,12 +29,18 @@ KvBackendName = Literal["auto", "local", "null", "honcho"]
 KV_BACKENDS: tuple[KvBackendName, ...] = ("auto", "local", "null", "honcho")
 Role = Literal["embedded", "producer", "worker"]
 ROLES: tuple[Role, ...] = ("embedded", "producer", "worker")
+SslMode = Literal["disable", "allow", "prefer", "require", "verify-ca", "verify-full"]
+SSL_MODES: tuple[SslMode, ...] = (
+    "disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
 
 APP_NAME = "hermes-async-memory"
 # Fields set in code only, never from text (the environment or a config file): structured
 # values; Honcho's come from HONCHO_* variables through HonchoConfig.
 STRUCTURED_FIELDS = ("honcho", "tool_outcome_rules", "procedural_context", "templates")
 ENV_PREFIX = "HERMES_MEMORY_"
+# The conventional variable for a database URL (Heroku, Render, Fly, docker-compose files).
+DATABASE_URL = "DATABASE_URL"
 MIB = 1024 * 1024
 
 
@@ -133,6 +140,20 @@ class Settings:
     # The Hermes provider's system prompt block also carries a compact summary of the user's
     # tools (their success rates and frequent errors).
     procedural_summary: bool = False
+    # The shared PostgreSQL store (the postgres extra): a postgresql:// URL, from
+    # HERMES_MEMORY_POSTGRES_DSN, else DATABASE_URL. It holds the password, so it is left out
+    # of repr and of parse errors, and logs and errors show it redacted
+    # (postgres.dsn.redact_dsn).
+    postgres_dsn: str | None = field(default=None, repr=False)
+    # The connection pool of each process: it keeps min_size connections open and opens up to
+    # max_size under load (a gateway's replication and recall share it).
+    postgres_pool_min_size: int = 1
+    postgres_pool_max_size: int = 10
+    postgres_connect_timeout_s: float = 10.0
+    # TLS: libpq's sslmode and the root certificate that verify-ca / verify-full check the
+    # server's certificate against; None keeps the DSN's own (else asyncpg's default, prefer).
+    postgres_sslmode: SslMode | None = None
+    postgres_sslrootcert: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
@@ -178,6 +199,29 @@ class Settings:
             )
         if self.outbox_segment_bytes < 64 * 1024:
             raise ConfigurationError("outbox_segment_bytes must be at least 64 KiB")
+        self._check_postgres()
+
+    def _check_postgres(self) -> None:
+        dsn = self.postgres_dsn
+        if dsn is not None and not dsn.lower().startswith(POSTGRES_SCHEMES):
+            # Shown redacted: a DSN in another form still holds its password.
+            raise ConfigurationError(
+                f"postgres_dsn must be a postgresql:// URL, got {redact_credentials(dsn)!r}")
+        low, high = self.postgres_pool_min_size, self.postgres_pool_max_size
+        for name, value in (("postgres_pool_min_size", low), ("postgres_pool_max_size", high)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigurationError(f"{name} must be a non-negative integer, got {value!r}")
+        if high < 1 or low > high:
+            raise ConfigurationError(
+                f"postgres_pool_max_size must be at least 1 and at least postgres_pool_min_size "
+                f"({low}), got {high}")
+        timeout = self.postgres_connect_timeout_s
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ConfigurationError(
+                f"postgres_connect_timeout_s must be a positive number, got {timeout!r}")
+        if self.postgres_sslmode is not None and self.postgres_sslmode not in SSL_MODES:
+            raise ConfigurationError(f"postgres_sslmode must be one of {', '.join(SSL_MODES)}, "
+                                     f"got {self.postgres_sslmode!r}")
 
     @property
     def outbox_dir(self) -> Path:
@@ -196,8 +240,9 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> Settings:
         """Read ``HERMES_MEMORY_<FIELD>`` variables (e.g. ``HERMES_MEMORY_DB_PATH``), the
-        ``HERMES_MEMORY_TEMPLATE_*`` ones (see ``TemplateSettings``), and with
-        ``HERMES_MEMORY_BACKEND=honcho`` the ``HONCHO_*`` ones (see ``HonchoConfig``).
+        ``HERMES_MEMORY_TEMPLATE_*`` ones (see ``TemplateSettings``), with
+        ``HERMES_MEMORY_BACKEND=honcho`` the ``HONCHO_*`` ones (see ``HonchoConfig``), and
+        ``DATABASE_URL`` as the PostgreSQL DSN unless ``HERMES_MEMORY_POSTGRES_DSN`` is set.
 
         Raises:
             ConfigurationError: a variable does not parse as its field's type.
@@ -205,6 +250,8 @@ class Settings:
         env = os.environ if environ is None else environ
         values = read_env(cls, env, ENV_PREFIX, skip=STRUCTURED_FIELDS)  # HONCHO_* below
         values.update(overrides)
+        if "postgres_dsn" not in values and env.get(DATABASE_URL, "").strip():
+            values["postgres_dsn"] = env[DATABASE_URL].strip()
         values.setdefault("backend", auto_backend(values, env))
         if values.get("backend") == "honcho" and values.get("honcho") is None:
             values["honcho"] = HonchoConfig.from_env(env)
