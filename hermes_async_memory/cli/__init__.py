@@ -9,6 +9,7 @@
                             import                    (cli.templates)
     hermes-memory dead-letters list | replay                  (cli.dead_letters)
     hermes-memory eval                                        (cli.evaluate)
+    hermes-memory db upgrade | status                         (cli.db)
     hermes-memory hermes install                              (hermes.install)
 
 Subcommands other than ``worker`` come from the modules in ``_COMMAND_MODULES``: each has a
@@ -86,6 +87,7 @@ _COMMAND_MODULES = (
     "hermes_async_memory.cli.templates",
     "hermes_async_memory.cli.dead_letters",
     "hermes_async_memory.cli.evaluate",
+    "hermes_async_memory.cli.db",
     "hermes_async_memory.hermes.install",
 )
 # Commands that hand their remaining arguments to a parser of their own.

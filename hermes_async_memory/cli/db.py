@@ -1,0 +1,141 @@
+"""``hermes-memory db upgrade | status``: the shared PostgreSQL store's schema.
+
+    hermes-memory db upgrade [--dsn DSN]
+    hermes-memory db status [--dsn DSN] [--json]
+
+The database is ``--dsn``, else ``HERMES_MEMORY_POSTGRES_DSN``, else ``DATABASE_URL``; it is
+shown with its password as ``***``, in the output and in errors alike. Needs the postgres
+extra (asyncpg), imported when a command runs. Exit 0 when done; 1 when the database cannot
+be reached or refuses (one line on stderr); 2 when no DSN is given or it is not a URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from .common import EXIT_OK, guarded, json_option, print_json
+
+if TYPE_CHECKING:
+    from ..postgres.schema import SchemaStatus, Upgrade
+    from ..settings import Settings
+
+
+def register(commands: Any) -> None:
+    """Add ``db`` and its actions to ``commands`` (argparse sub-parsers)."""
+    db = commands.add_parser(
+        "db", help="the shared PostgreSQL store: schema upgrade and status",
+        description="The shared PostgreSQL store (the postgres extra). The database is "
+                    "--dsn, else $HERMES_MEMORY_POSTGRES_DSN, else $DATABASE_URL.",
+    ).add_subparsers(dest="db_command", metavar="ACTION", required=True)
+    upgrade = db.add_parser(
+        "upgrade", parents=[_dsn_option()], help="bring the database's schema up to date",
+        description="Apply the migrations the database has not had yet, in one "
+                    "transaction. Safe to run from several machines at once: one applies "
+                    "them, the others wait and find nothing to do. A database with a newer "
+                    "schema than this library is left as it is (exit 1).",
+    )
+    upgrade.set_defaults(handler=guarded(_upgrade))
+    status = db.add_parser(
+        "status", parents=[_dsn_option(), json_option()],
+        help="the database's schema version against this library's",
+        description="Show the database's schema version, the migrations applied and those "
+                    "pending. Reads only.",
+    )
+    status.set_defaults(handler=guarded(_status))
+
+
+def _dsn_option() -> argparse.ArgumentParser:
+    dsn = argparse.ArgumentParser(add_help=False)
+    dsn.add_argument(
+        "--dsn", metavar="DSN",
+        help="postgresql://USER:PASSWORD@HOST:PORT/DATABASE (default: "
+             "$HERMES_MEMORY_POSTGRES_DSN, else $DATABASE_URL). A password given here is "
+             "visible to other users of this machine in the process list: prefer the "
+             "environment")
+    return dsn
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    """The settings from the environment, ``--dsn`` first; asyncpg checked to be there.
+
+    Raises:
+        ConfigurationError: no postgres extra, a variable does not parse, or the DSN is not
+            a postgresql:// URL.
+    """
+    from ..extras import require
+    from ..logs import configure_logging
+    from ..settings import Settings
+
+    require("asyncpg", "postgres", "hermes-memory db")
+    configure_logging(level="warning")  # stdout is the command's; warnings go to stderr
+    if args.dsn is not None:
+        return Settings.from_env(postgres_dsn=args.dsn)
+    return Settings.from_env()
+
+
+def _upgrade(args: argparse.Namespace) -> int:
+    from ..postgres.dsn import redact_dsn, settings_dsn
+    from ..postgres.pool import database_errors, open_pool
+    from ..postgres.schema import upgrade
+
+    settings = _settings(args)
+    dsn = settings_dsn(settings)
+
+    async def run() -> Upgrade:
+        async with open_pool(settings.replace(postgres_pool_min_size=1,
+                                              postgres_pool_max_size=1)) as pool, \
+                database_errors(dsn):
+            return await upgrade(pool)
+
+    done = anyio.run(run)
+    for step in done.applied:
+        print(f"applied {step.version}  {step.name}")
+    where = f'database "{done.database}" ({redact_dsn(dsn)})'
+    if done.applied:
+        print(f"{where}: schema version {done.to_version} (was {done.from_version}), "
+              f"in {done.duration_s:.2f} s")
+    else:
+        print(f"{where}: schema version {done.to_version}, up to date")
+    return EXIT_OK
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ..postgres.dsn import redact_dsn, settings_dsn
+    from ..postgres.pool import database_errors, open_pool
+    from ..postgres.schema import status
+
+    settings = _settings(args)
+    dsn = settings_dsn(settings)
+
+    async def run() -> SchemaStatus:
+        async with open_pool(settings.replace(postgres_pool_min_size=1,
+                                              postgres_pool_max_size=1)) as pool, \
+                database_errors(dsn):
+            return await status(pool)
+
+    found = anyio.run(run)
+    if args.json:
+        print_json({"dsn": redact_dsn(dsn), **found.as_dict()})
+        return EXIT_OK
+    if found.current:
+        state = "up to date"
+    elif found.version > found.expected:
+        state = "newer than this library: upgrade hermes-async-memory here"
+    else:
+        n = len(found.pending)
+        state = (f"{n} migration{'' if n == 1 else 's'} pending: run "
+                 "`hermes-memory db upgrade`")
+    rows = [("database", f"{found.database} ({redact_dsn(dsn)})"),
+            ("server", f"PostgreSQL {found.server_version}"),
+            ("schema version", f"{found.version} (this library: {found.expected})"),
+            ("state", state)]
+    rows += [(f"applied {a.version}", f"{a.name} ({a.applied_at:%Y-%m-%d %H:%M:%S %Z})")
+             for a in found.applied]
+    rows += [(f"pending {m.version}", m.name) for m in found.pending]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name.ljust(width)}  {value}")
+    return EXIT_OK
