@@ -228,6 +228,17 @@ class PostgresServer:
     def admin_dsn(self) -> str:
         return self.dsn("postgres", user=ADMIN_USER)
 
+    def password_forms(self) -> list[str]:
+        """What a leak of a password would look like: the application's as written and as
+        escaped in a URL, its part before its '@' (what a parser stopping there takes), and
+        the superuser's."""
+        app = self.app_password
+        return [app, quote(app, safe=""), app.split("@")[0], self.admin_password]
+
+    def assert_no_password(self, text: str) -> None:
+        for secret in self.password_forms():
+            assert secret not in text, f"a password in: {text[:2000]}"
+
     # Databases.
 
     def create_database(self, prefix: str = "test") -> str:

@@ -1,0 +1,238 @@
+"""The PostgreSQL pool and its configuration against a real server: settings from the
+environment, pool sizes, TLS options, errors typed and without the password (in messages,
+reprs, tracebacks and log lines), and a server that goes away and comes back."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from urllib.parse import quote
+
+import asyncpg
+import pytest
+import structlog
+from structlog.testing import capture_logs
+
+from hermes_async_memory import (
+    ConfigurationError,
+    DatabaseError,
+    DatabaseUnavailableError,
+    Settings,
+)
+from hermes_async_memory.logs import configure_logging, redact_credentials
+from hermes_async_memory.postgres import check, create_pool, open_pool, redact_dsn, upgrade
+from hermes_async_memory.postgres.dsn import dsn_secrets, scrub, settings_dsn
+from hermes_async_memory.postgres.pool import APPLICATION_NAME, close_pool
+
+from .pg_server import PostgresServer, free_port
+
+SECRET = "s3cr3t-p@ss:w/rd%"
+
+
+def test_a_dsn_is_shown_without_its_password() -> None:
+    quoted = quote(SECRET, safe="")
+    assert redact_dsn(f"postgresql://me:{quoted}@db:5432/mem") == \
+        "postgresql://me:***@db:5432/mem"
+    # Unescaped, a password may hold '@' and '/': everything up to the host's '@' goes.
+    assert redact_dsn(f"postgresql://me:{SECRET}@db/mem") == "postgresql://me:***@db/mem"
+    assert redact_dsn("postgres://me:pw@h1:5432,h2:5433/mem?sslmode=require") == \
+        "postgres://me:***@h1:5432,h2:5433/mem?sslmode=require"
+    assert redact_dsn("postgresql://db/mem?user=me&password=pw&sslmode=require") == \
+        "postgresql://db/mem?user=me&password=***&sslmode=require"
+    assert redact_dsn("host=db user=me password='a b' dbname=mem") == \
+        "host=db user=me password=*** dbname=mem"
+    assert redact_dsn("postgresql://me@db/mem") == "postgresql://me@db/mem"
+
+
+def test_scrub_removes_every_form_of_the_password() -> None:
+    dsn = f"postgresql://me:{quote(SECRET, safe='')}@db/mem"
+    assert SECRET in dsn_secrets(dsn) and quote(SECRET, safe="") in dsn_secrets(dsn)
+    text = scrub(f"bad {SECRET} and {quote(SECRET, safe='')} and {dsn}", dsn)
+    assert SECRET not in text and quote(SECRET, safe="") not in text
+    assert "me:***@db/mem" in text
+
+
+def test_settings_read_the_dsn_and_pool_options_from_the_environment() -> None:
+    env = {"DATABASE_URL": "postgresql://me:pw@db/mem",
+           "HERMES_MEMORY_POSTGRES_POOL_MIN_SIZE": "2",
+           "HERMES_MEMORY_POSTGRES_POOL_MAX_SIZE": "20",
+           "HERMES_MEMORY_POSTGRES_SSLMODE": "verify-full",
+           "HERMES_MEMORY_POSTGRES_SSLROOTCERT": "/etc/ca.pem"}
+    settings = Settings.from_env(env)
+    assert settings.postgres_dsn == "postgresql://me:pw@db/mem"
+    assert (settings.postgres_pool_min_size, settings.postgres_pool_max_size) == (2, 20)
+    assert settings_dsn(settings) == ("postgresql://me:pw@db/mem?sslmode=verify-full"
+                                      "&sslrootcert=%2Fetc%2Fca.pem")
+    assert "pw" not in repr(settings).replace("postgres_pool", "")
+    # The library's own variable wins over the generic one.
+    env["HERMES_MEMORY_POSTGRES_DSN"] = "postgresql://other@db2/mem"
+    assert Settings.from_env(env).postgres_dsn == "postgresql://other@db2/mem"
+
+
+def test_bad_postgres_settings_are_refused_without_the_password() -> None:
+    with pytest.raises(ConfigurationError) as not_a_url:
+        Settings.from_env({"DATABASE_URL": f"host=db password={SECRET}"})
+    assert "postgresql:// URL" in str(not_a_url.value)
+    assert SECRET not in str(not_a_url.value)
+    with pytest.raises(ConfigurationError, match="postgres_pool_max_size"):
+        Settings(postgres_pool_min_size=5, postgres_pool_max_size=2)
+    with pytest.raises(ConfigurationError, match="HERMES_MEMORY_POSTGRES_SSLMODE"):
+        Settings.from_env({"HERMES_MEMORY_POSTGRES_SSLMODE": "sometimes"})
+    with pytest.raises(ConfigurationError, match="DATABASE_URL"):
+        settings_dsn(Settings())
+
+
+async def test_the_pool_opens_its_minimum_of_connections(pg_dsn: str) -> None:
+    settings = Settings(postgres_dsn=pg_dsn, postgres_pool_min_size=3,
+                        postgres_pool_max_size=5)
+    async with open_pool(settings) as pool:
+        ours = await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 "
+            "AND datname = current_database()", APPLICATION_NAME)
+        assert ours == 3
+        assert pool.get_max_size() == 5
+
+
+def everything_shown(exc: BaseException) -> str:
+    """What a user or a log could see of an error: message, repr, traceback (with its
+    causes), and its dsn."""
+    return "\n".join([str(exc), repr(exc), "".join(traceback.format_exception(exc)),
+                      str(getattr(exc, "dsn", ""))])
+
+
+async def test_unreachable_server_is_unavailable_and_shows_no_password(
+        pg_server: PostgresServer, pg_dsn: str) -> None:
+    database = pg_dsn.rsplit("/", 1)[1]
+    nobody_listens = pg_server.dsn(database, port=free_port())
+
+    with pytest.raises(DatabaseUnavailableError) as caught:
+        await create_pool(Settings(postgres_dsn=nobody_listens))
+
+    assert caught.value.dsn == f"postgresql://hermes:***@127.0.0.1:{nobody_listens.split(':')[-1]}"
+    assert "Connect call failed" in str(caught.value) or "refused" in str(caught.value)
+    pg_server.assert_no_password(everything_shown(caught.value))
+
+
+async def test_a_wrong_password_is_a_database_error_showing_neither_password(
+        pg_server: PostgresServer, pg_dsn: str) -> None:
+    database = pg_dsn.rsplit("/", 1)[1]
+    wrong = pg_server.app_password + "-wrong"
+
+    with pytest.raises(DatabaseError) as caught:
+        await create_pool(Settings(postgres_dsn=pg_server.dsn(database, password=wrong)))
+
+    assert not isinstance(caught.value, DatabaseUnavailableError)
+    assert 'password authentication failed for user "hermes"' in str(caught.value)
+    assert isinstance(caught.value.__cause__, asyncpg.InvalidPasswordError)
+    shown = everything_shown(caught.value)
+    pg_server.assert_no_password(shown)
+    assert wrong not in shown and quote(wrong, safe="") not in shown
+
+
+async def test_a_dsn_the_driver_cannot_read_is_not_echoed(pg_server: PostgresServer) -> None:
+    # A port that is not a number: the driver's ValueError is about the DSN's text.
+    broken = f"postgresql://hermes:{quote(pg_server.app_password, safe='')}@127.0.0.1:x/db"
+
+    with pytest.raises(DatabaseError) as caught:
+        await create_pool(Settings(postgres_dsn=broken))
+
+    pg_server.assert_no_password(everything_shown(caught.value))
+
+
+async def test_tls_options_from_settings_reach_the_connection(
+        pg_server: PostgresServer, pg_dsn: str) -> None:
+    # The test server has no TLS: "require" must fail, "disable" must work.
+    with pytest.raises(DatabaseError) as required:
+        await create_pool(Settings(postgres_dsn=pg_dsn, postgres_sslmode="require"))
+    assert "SSL" in str(required.value)
+    pg_server.assert_no_password(everything_shown(required.value))
+
+    missing = Path("/nonexistent/root.crt")
+    with pytest.raises(ConfigurationError) as verify:
+        await create_pool(Settings(postgres_dsn=pg_dsn, postgres_sslmode="verify-full",
+                                   postgres_sslrootcert=missing))
+    assert str(missing) in str(verify.value)
+
+    async with open_pool(Settings(postgres_dsn=pg_dsn, postgres_sslmode="disable")) as pool:
+        assert await pool.fetchval("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()"
+                                   ) is False
+
+
+@pytest.mark.parametrize("as_json", [True, False], ids=["json", "console"])
+async def test_logs_never_hold_the_password(pg_server: PostgresServer, pg_dsn: str,
+                                            capsys: pytest.CaptureFixture[str],
+                                            as_json: bool) -> None:
+    """Every line the library logs while it opens, upgrades and fails, rendered by the
+    entry points' own configuration (JSON or console, secrets redacted), tracebacks
+    included: structlog renders each frame's local variables by default, and asyncpg's
+    frames hold the password."""
+    database = pg_dsn.rsplit("/", 1)[1]
+    configure_logging(json=as_json, level="debug")
+    log = structlog.get_logger("test")
+    with capture_logs() as events:
+        async with open_pool(Settings(postgres_dsn=pg_dsn)) as pool:
+            await upgrade(pool)
+            await check(pool)
+    try:
+        await create_pool(Settings(postgres_dsn=pg_server.dsn(database, port=free_port())))
+    except DatabaseError:
+        # What an entry point does with an error it cannot handle: log it, traceback and all.
+        log.exception("postgres.failed", dsn=pg_dsn, database_url=pg_dsn)
+    # A host that logs the DSN by mistake, in a message or under any key.
+    log.warning(f"connecting to {pg_dsn}", target={"url": pg_dsn})
+
+    opened = [e for e in events if e["event"] == "postgres.pool_open"]
+    assert opened and opened[0]["dsn"] == redact_dsn(pg_dsn)
+    assert {e["event"] for e in events} >= {"postgres.migration", "postgres.upgrade"}
+    pg_server.assert_no_password(repr(events))
+    rendered = capsys.readouterr().err
+    assert "postgres.failed" in rendered and "DatabaseUnavailableError" in rendered
+    assert "hermes:***@127.0.0.1" in rendered
+    pg_server.assert_no_password(rendered)
+
+
+def test_redact_credentials_leaves_other_text_alone() -> None:
+    for text in ("no secrets here", "input_tokens=12", "http://127.0.0.1:8000/v1/chat",
+                 "user@example.com wrote a=b"):
+        assert redact_credentials(text) == text
+
+
+async def test_a_stopped_server_is_unavailable_until_it_is_back(
+        pg_server: PostgresServer, pg_dsn: str) -> None:
+    """The outage tests' primitive: stop the server, see the typed error, start it on the
+    same port and data, and find what was committed before."""
+    settings = Settings(postgres_dsn=pg_dsn, postgres_pool_min_size=0)
+    async with open_pool(settings) as pool:
+        await upgrade(pool)
+        await pool.execute("INSERT INTO sessions (id, source, started_at, updated_at) "
+                           "VALUES ('kept', 'api', 0, 0)")
+    pg_server.stop()
+    try:
+        with pytest.raises(DatabaseUnavailableError):
+            await create_pool(settings.replace(postgres_pool_min_size=1))
+    finally:
+        pg_server.start()
+    async with open_pool(settings) as pool:
+        assert await check(pool) > 0
+        assert await pool.fetchval("SELECT id FROM sessions") == "kept"
+
+
+async def test_a_connection_cut_under_a_pool_becomes_unavailable(
+        pg_server: PostgresServer, pg_dsn: str) -> None:
+    from hermes_async_memory.postgres import database_errors
+
+    pool = await create_pool(Settings(postgres_dsn=pg_dsn))
+    try:
+        pg_server.stop(mode="immediate")
+        try:
+            with pytest.raises(DatabaseUnavailableError) as caught:
+                async with database_errors(pg_dsn):
+                    await pool.fetchval("SELECT 1")
+        finally:
+            pg_server.start()
+        pg_server.assert_no_password(everything_shown(caught.value))
+        # The pool reconnects by itself once the server is back.
+        assert await pool.fetchval("SELECT 1") == 1
+    finally:
+        await close_pool(pool)
+
