@@ -242,7 +242,8 @@ class Settings:
         """Read ``HERMES_MEMORY_<FIELD>`` variables (e.g. ``HERMES_MEMORY_DB_PATH``), the
         ``HERMES_MEMORY_TEMPLATE_*`` ones (see ``TemplateSettings``), with
         ``HERMES_MEMORY_BACKEND=honcho`` the ``HONCHO_*`` ones (see ``HonchoConfig``), and
-        ``DATABASE_URL`` as the PostgreSQL DSN unless ``HERMES_MEMORY_POSTGRES_DSN`` is set.
+        ``DATABASE_URL`` as the PostgreSQL DSN when it is a postgresql:// URL and
+        ``HERMES_MEMORY_POSTGRES_DSN`` is not set.
 
         Raises:
             ConfigurationError: a variable does not parse as its field's type.
@@ -250,8 +251,10 @@ class Settings:
         env = os.environ if environ is None else environ
         values = read_env(cls, env, ENV_PREFIX, skip=STRUCTURED_FIELDS)  # HONCHO_* below
         values.update(overrides)
-        if "postgres_dsn" not in values and env.get(DATABASE_URL, "").strip():
-            values["postgres_dsn"] = env[DATABASE_URL].strip()
+        url = env.get(DATABASE_URL, "").strip()
+        # DATABASE_URL is anyone's: one naming another kind of database is not for us.
+        if "postgres_dsn" not in values and url.lower().startswith(POSTGRES_SCHEMES):
+            values["postgres_dsn"] = url
         values.setdefault("backend", auto_backend(values, env))
         if values.get("backend") == "honcho" and values.get("honcho") is None:
             values["honcho"] = HonchoConfig.from_env(env)

@@ -69,9 +69,16 @@ def test_settings_read_the_dsn_and_pool_options_from_the_environment() -> None:
     assert Settings.from_env(env).postgres_dsn == "postgresql://other@db2/mem"
 
 
+def test_a_database_url_of_another_kind_is_not_ours() -> None:
+    """DATABASE_URL is a shared name: another application's MySQL or SQLite URL there must
+    not stop this library from starting."""
+    for url in ("mysql://me:pw@db/app", "sqlite:///app.db"):
+        assert Settings.from_env({"DATABASE_URL": url}).postgres_dsn is None
+
+
 def test_bad_postgres_settings_are_refused_without_the_password() -> None:
     with pytest.raises(ConfigurationError) as not_a_url:
-        Settings.from_env({"DATABASE_URL": f"host=db password={SECRET}"})
+        Settings.from_env({"HERMES_MEMORY_POSTGRES_DSN": f"host=db password={SECRET}"})
     assert "postgresql:// URL" in str(not_a_url.value)
     assert SECRET not in str(not_a_url.value)
     with pytest.raises(ConfigurationError, match="postgres_pool_max_size"):
