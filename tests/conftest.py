@@ -91,18 +91,20 @@ def pg_server() -> Iterator[PostgresServer]:
     """A PostgreSQL 15 server for the whole run (tests/pg_server.py), on 127.0.0.1, run as an
     unprivileged account when the tests run as root; stopped and removed at the end, however
     the run ends. No binaries: every test that needs it fails with one line saying so."""
+    failure: str | None = None
+    server: PostgresServer | None = None
     try:
         server = PostgresServer.create()
+        server.start()
     except PostgresUnavailable as exc:
-        pytest.fail(str(exc), pytrace=False)
+        failure = str(exc)  # failed below, outside this block: one line, no chained error
     try:
-        try:
-            server.start()
-        except PostgresUnavailable as exc:
-            pytest.fail(str(exc), pytrace=False)
+        if failure is not None or server is None:
+            pytest.fail(failure, pytrace=False)
         yield server
     finally:
-        server.cleanup()
+        if server is not None:
+            server.cleanup()
 
 
 @pytest.fixture
