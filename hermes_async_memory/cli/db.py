@@ -1,7 +1,9 @@
-"""``hermes-memory db upgrade | status``: the shared PostgreSQL store's schema.
+"""``hermes-memory db upgrade | status | local``: the shared PostgreSQL store's schema, and a
+server on this machine to try it with.
 
     hermes-memory db upgrade [--dsn DSN]
     hermes-memory db status [--dsn DSN] [--json]
+    hermes-memory db local start|stop [--dir DIR] [--port PORT]
 
 The database is ``--dsn``, else ``HERMES_MEMORY_POSTGRES_DSN``, else ``DATABASE_URL``; it is
 shown with its password as ``***``, in the output and in errors alike. Needs the postgres
@@ -12,6 +14,7 @@ be reached or refuses (one line on stderr); 2 when no DSN is given or it is not 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -45,6 +48,21 @@ def register(commands: Any) -> None:
                     "pending. Reads only.",
     )
     status.set_defaults(handler=guarded(_status))
+    local = db.add_parser(
+        "local", help="a PostgreSQL server on this machine, to try the shared store",
+        description="start: make a cluster under --dir the first time (its password is "
+                    "generated and kept there), start it on 127.0.0.1, create the database "
+                    "hermes_memory with a current schema, and print the DATABASE_URL line "
+                    "to export. stop: stop it. For trying things, not for production.",
+    )
+    local.add_argument("action", choices=("start", "stop"))
+    local.add_argument("--dir", type=Path, default=None,
+                       help="the cluster's folder (default: "
+                            "$XDG_DATA_HOME/hermes-memory/postgres)")
+    local.add_argument("--port", type=int, default=None,
+                       help="TCP port on 127.0.0.1 (default: the one it last started on, "
+                            "else 5433)")
+    local.set_defaults(handler=guarded(_local))
 
 
 def _dsn_option() -> argparse.ArgumentParser:
@@ -138,4 +156,37 @@ def _status(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name.ljust(width)}  {value}")
+    return EXIT_OK
+
+
+def _local(args: argparse.Namespace) -> int:
+    from ..extras import require
+    from ..logs import configure_logging
+    from ..postgres import local
+    from ..postgres.pool import open_pool
+    from ..postgres.schema import upgrade
+    from ..settings import Settings
+
+    require("asyncpg", "postgres", "hermes-memory db local")
+    configure_logging(level="warning")
+    folder = args.dir or local.default_folder()
+    server = local.LocalServer(
+        folder, args.port or local.saved_port(folder) or local.DEFAULT_PORT)
+    if args.action == "stop":
+        stopped = local.stop(server)
+        print(f"stopped the server in {server.folder}" if stopped
+              else f"no server running in {server.folder}")
+        return EXIT_OK
+    dsn = local.start(server)
+
+    async def run() -> None:
+        await local.prepare(dsn)
+        settings = Settings(postgres_dsn=dsn, postgres_pool_min_size=1,
+                            postgres_pool_max_size=1)
+        async with open_pool(settings) as pool:
+            await upgrade(pool)
+
+    anyio.run(run)
+    print(f"# PostgreSQL on {local.HOST}:{server.port}, data in {server.data}")
+    print(f"export DATABASE_URL='{dsn}'")
     return EXIT_OK
