@@ -14,8 +14,9 @@ be reached or refuses (one line on stderr); 2 when no DSN is given or it is not 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
@@ -24,6 +25,8 @@ from .common import EXIT_OK, guarded, json_option, print_json
 if TYPE_CHECKING:
     from ..postgres.schema import SchemaStatus, Upgrade
     from ..settings import Settings
+
+T = TypeVar("T")
 
 
 def register(commands: Any) -> None:
@@ -94,21 +97,28 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings.from_env()
 
 
+def _on_one_connection(settings: Settings, action: Callable[[Any], Awaitable[T]]) -> T:
+    """``action(pool)`` on a pool of one connection to the settings' database; the driver's
+    errors raised as ours (the password scrubbed)."""
+    from ..postgres.dsn import settings_dsn
+    from ..postgres.pool import database_errors, open_pool
+
+    async def run() -> T:
+        async with open_pool(settings.replace(postgres_pool_min_size=1,
+                                              postgres_pool_max_size=1)) as pool, \
+                database_errors(settings_dsn(settings)):
+            return await action(pool)
+
+    return anyio.run(run)
+
+
 def _upgrade(args: argparse.Namespace) -> int:
     from ..postgres.dsn import redact_dsn, settings_dsn
-    from ..postgres.pool import database_errors, open_pool
     from ..postgres.schema import upgrade
 
     settings = _settings(args)
     dsn = settings_dsn(settings)
-
-    async def run() -> Upgrade:
-        async with open_pool(settings.replace(postgres_pool_min_size=1,
-                                              postgres_pool_max_size=1)) as pool, \
-                database_errors(dsn):
-            return await upgrade(pool)
-
-    done = anyio.run(run)
+    done: Upgrade = _on_one_connection(settings, upgrade)
     for step in done.applied:
         print(f"applied {step.version}  {step.name}")
     where = f'database "{done.database}" ({redact_dsn(dsn)})'
@@ -122,19 +132,11 @@ def _upgrade(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     from ..postgres.dsn import redact_dsn, settings_dsn
-    from ..postgres.pool import database_errors, open_pool
     from ..postgres.schema import status
 
     settings = _settings(args)
     dsn = settings_dsn(settings)
-
-    async def run() -> SchemaStatus:
-        async with open_pool(settings.replace(postgres_pool_min_size=1,
-                                              postgres_pool_max_size=1)) as pool, \
-                database_errors(dsn):
-            return await status(pool)
-
-    found = anyio.run(run)
+    found: SchemaStatus = _on_one_connection(settings, status)
     if args.json:
         print_json({"dsn": redact_dsn(dsn), **found.as_dict()})
         return EXIT_OK
@@ -163,7 +165,6 @@ def _local(args: argparse.Namespace) -> int:
     from ..extras import require
     from ..logs import configure_logging
     from ..postgres import local
-    from ..postgres.pool import open_pool
     from ..postgres.schema import upgrade
     from ..settings import Settings
 
@@ -178,15 +179,8 @@ def _local(args: argparse.Namespace) -> int:
               else f"no server running in {server.folder}")
         return EXIT_OK
     dsn = local.start(server)
-
-    async def run() -> None:
-        await local.prepare(dsn)
-        settings = Settings(postgres_dsn=dsn, postgres_pool_min_size=1,
-                            postgres_pool_max_size=1)
-        async with open_pool(settings) as pool:
-            await upgrade(pool)
-
-    anyio.run(run)
+    anyio.run(local.prepare, dsn)
+    _on_one_connection(Settings(postgres_dsn=dsn), upgrade)
     print(f"# PostgreSQL on {local.HOST}:{server.port}, data in {server.data}")
     print(f"export DATABASE_URL='{dsn}'")
     return EXIT_OK
