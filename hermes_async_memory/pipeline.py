@@ -85,6 +85,10 @@ class MemoryPipeline:
             from .backends.honcho import HonchoBackend
 
             backend = HonchoBackend(s.honcho)
+        if backend is None and s.backend == "postgres":
+            from .postgres.backend import PostgresBackend
+
+            backend = PostgresBackend(s)
         self.backend = backend or NullBackend()
         self.store = store or SqliteStore(
             s.db_path, readers=s.recall_workers, busy_timeout_ms=s.busy_timeout_ms,
@@ -92,6 +96,8 @@ class MemoryPipeline:
         )
         if not isinstance(self.backend, NullBackend) and s.role != "producer":
             self.store.replica = self.backend.name  # each commit queues its turns for it
+            if self.backend.mirrors_kv:  # and its key-value writes
+                self.store.replica_kv = True
         if s.tool_log:  # each commit logs its turns' tool calls
             self.store.tool_log = ToolLogConfig(s.tool_outcome_rules, s.tool_log_max_per_user,
                                                 s.tool_fix_window_s)

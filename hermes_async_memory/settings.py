@@ -23,8 +23,8 @@ from .templates.model import TemplateSettings
 
 OverflowPolicy = Literal["defer", "reject"]
 OVERFLOW_POLICIES: tuple[OverflowPolicy, ...] = ("defer", "reject")
-BackendName = Literal["null", "honcho"]
-BACKENDS: tuple[BackendName, ...] = ("null", "honcho")
+BackendName = Literal["null", "honcho", "postgres"]
+BACKENDS: tuple[BackendName, ...] = ("null", "honcho", "postgres")
 KvBackendName = Literal["auto", "local", "null", "honcho"]
 KV_BACKENDS: tuple[KvBackendName, ...] = ("auto", "local", "null", "honcho")
 Role = Literal["embedded", "producer", "worker"]
@@ -113,7 +113,8 @@ class Settings:
     # producer for recall results.
     shared_poll_ms: float = 20.0
     # The replica backend built when the pipeline is given none: "null" (the local store
-    # only) or "honcho", configured by ``honcho`` (from HONCHO_* variables in from_env).
+    # only), "honcho", configured by ``honcho`` (from HONCHO_* variables in from_env), or
+    # "postgres", the shared store at ``postgres_dsn`` (key-value writes mirrored too).
     backend: BackendName = "null"
     honcho: HonchoConfig | None = None
     # The key-value memory's backend (``pipeline.memory``): "local" (this store), "honcho"
@@ -183,6 +184,10 @@ class Settings:
         if self.kv_backend == "honcho" and self.backend != "honcho":
             raise ConfigurationError("kv_backend 'honcho' mirrors key-value memory through the "
                                      "Honcho replica: it needs backend 'honcho'")
+        if self.backend == "postgres" and not self.postgres_dsn:
+            raise ConfigurationError(
+                "backend 'postgres' needs a database: set postgres_dsn (or DATABASE_URL, or "
+                "HERMES_MEMORY_POSTGRES_DSN), e.g. postgresql://USER:PASSWORD@HOST:5432/DB")
         if self.role not in ROLES:
             raise ConfigurationError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         for name in ("lease_s", "shared_poll_ms"):

@@ -61,6 +61,8 @@ class Backend(abc.ABC):
     name: str = "backend"
     # Whether recall() can answer; when it can and fails, prefetch status says so.
     recalls: bool = False
+    # Whether it keeps key-value memory too: every key-value write is then sent to it.
+    mirrors_kv: bool = False
 
     async def startup(self) -> None:  # noqa: B027 - optional hook
         """Open connections; called once before any other method."""
