@@ -504,9 +504,22 @@ class MemoryPipeline:
                     raise self._failure
                 await self._changed.wait()
 
-    async def next_change(self, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        """Return at the pipeline's next change (see ``changed``), for a caller whose own
-        check must await (a store read).
+    def change_mark(self) -> asyncio.Event:
+        """A mark of now, for ``next_change(since=…)``: take it BEFORE a check that awaits,
+        so a change made during the check is not missed."""
+        return self._changed
+
+    async def next_change(self, timeout: float | None = None,  # noqa: ASYNC109
+                          since: asyncio.Event | None = None) -> None:
+        """Return at the pipeline's next change (see ``changed``) after ``since`` (a
+        ``change_mark()``; None: after now), for a caller whose own check must await (a
+        store read)::
+
+            while True:
+                mark = pipeline.change_mark()
+                if await done():
+                    break
+                await pipeline.next_change(timeout, since=mark)
 
         Raises:
             TimeoutError: ``timeout`` passed first.
@@ -515,7 +528,7 @@ class MemoryPipeline:
         if self._failure is not None:
             raise self._failure
         with anyio.fail_after(timeout):
-            await self._changed.wait()
+            await (self._changed if since is None else since).wait()
 
     # -- stats -------------------------------------------------------------------------
 

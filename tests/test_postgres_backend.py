@@ -50,8 +50,11 @@ async def replicated(mem: MemoryPipeline) -> None:
     (checked at each change the pipeline makes: a replica write is one; no sleeping)."""
     await mem.flush(timeout=WAIT_S)
     with anyio.fail_after(WAIT_S):
-        while (await mem.store.replica_counts("postgres")) != (0, 0):
-            await mem.next_change()
+        while True:
+            mark = mem.change_mark()  # before the read: a change during it is not missed
+            if (await mem.store.replica_counts("postgres")) == (0, 0):
+                return
+            await mem.next_change(since=mark)
 
 
 async def stored_turns(db: asyncpg.Connection) -> dict[str, list[str]]:

@@ -84,8 +84,12 @@ class HonchoMemory(KeyValueMemory):
         p, lane = self.pipeline, lane_of(check_user(user_id))
         if p.store.replica is None:  # a producer: the worker's pipeline sends them
             return
-        while await p.store.replica_waiting(p.store.replica, lane):
-            await p.next_change(max(0.0, timeout_s - (time.monotonic() - started)))
+        while True:
+            mark = p.change_mark()  # before the read: a change during it is not missed
+            if not await p.store.replica_waiting(p.store.replica, lane):
+                return
+            await p.next_change(max(0.0, timeout_s - (time.monotonic() - started)),
+                                since=mark)
 
     def delete_nowait(self, user_id: str, key: str) -> Receipt:
         """Delete the entry from the local store (durable when this returns), then raise:
