@@ -99,7 +99,7 @@ CREATE INDEX sessions_started ON sessions (started_at DESC);
 CREATE TABLE messages (
     id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     session_id text NOT NULL,
-    seq bigint NOT NULL,  -- the turn's number in its session, assigned at accept
+    seq bigint NOT NULL,  -- the turn's number in its session, in the order it reached here
     turn_key text NOT NULL,
     ordinal integer NOT NULL,  -- the message's place in its turn
     role text NOT NULL,
