@@ -236,6 +236,16 @@ def encode_payload(
     return payload
 
 
+def payload_rows(payload: str) -> list[tuple[Any, ...]]:
+    """The message rows a turn's payload holds, as the stores insert them: (session_id,
+    turn_key, ordinal, role, content, tool_calls, tool_call_id, tool_name, timestamp,
+    user_id, scope, metadata as JSON text or None, token_count)."""
+    doc = json.loads(payload)
+    md = json.dumps(doc["d"], ensure_ascii=False) if doc["d"] else None
+    return [(doc["s"], doc["k"], i, *m[:5], doc["t"], doc["u"], doc["c"], md,
+             m[5] if len(m) > 5 else None) for i, m in enumerate(doc["m"])]
+
+
 def check_metadata(metadata: object) -> dict[str, Any] | None:
     """A copy of ``metadata`` that the store can hold, or None.
 

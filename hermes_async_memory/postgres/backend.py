@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -76,13 +75,30 @@ from ..errors import (
     describe,
 )
 from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, SessionOp, parse_op
-from ..recall.query import render_hits
 from ..settings import Settings
-from ..store.messages import Hit
-from ..turns import TURN, Turn, scope_token_for, scope_tokens
+from ..turns import TURN, Turn, payload_rows, scope_token_for, scope_tokens
 from .dsn import redact_dsn, settings_dsn
 from .pool import close_pool, create_pool, database_errors
+from .recall import recall_block
 from .schema import check
+from .statements import (
+    ADD_COUNTERS,
+    CLAIM_RECORD,
+    DELETE_SESSION,
+    DESCRIBE,
+    END,
+    IMPORT_MESSAGES,
+    IMPORT_ROW,
+    IMPORT_TARGET,
+    INSERT_MESSAGES,
+    KV_DELETE,
+    KV_PUT,
+    LAST_SEQ,
+    PRUNABLE,
+    STAGE,
+    STAGE_COLUMNS,
+    UPSERT_SESSIONS,
+)
 
 if TYPE_CHECKING:
     from asyncpg import Pool, Record
@@ -101,151 +117,7 @@ NUL_STORED = "\ufffd"
 # While the database is known down, a recall tries it again at most this often (each try
 # may wait up to the connect time-out); the replicator's writes try on their own backoff.
 PROBE_INTERVAL_S = 5.0
-RECALL_TIMEOUT_S = 2.0
-# Characters of a message read back for a recall's snippet.
-SNIPPET_SOURCE_CHARS = 20_000
-_WORD = re.compile(r"\w+")
 
-STAGE = """
-CREATE TEMP TABLE IF NOT EXISTS hermes_stage (
-    pos bigint NOT NULL,
-    session_id text NOT NULL,
-    turn_rank bigint NOT NULL,
-    turn_key text NOT NULL,
-    ordinal integer NOT NULL,
-    role text NOT NULL,
-    content text,
-    tool_calls text,
-    tool_call_id text,
-    tool_name text,
-    timestamp double precision NOT NULL,
-    user_id text,
-    scope text NOT NULL,
-    metadata text,
-    token_count integer
-) ON COMMIT DELETE ROWS
-"""
-STAGE_COLUMNS = ("pos", "session_id", "turn_rank", "turn_key", "ordinal", "role", "content",
-                 "tool_calls", "tool_call_id", "tool_name", "timestamp", "user_id", "scope",
-                 "metadata", "token_count")
-# The sessions of a phase's turns exist and are locked, in id order; fields other than the
-# counters are set as SQLite's UPSERT_SESSIONS sets them. updated_at: the newest accept.
-UPSERT_SESSIONS = """
-INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at)
-SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-                     $6::float8[], $7::float8[]) ORDER BY 1
-ON CONFLICT (id) DO UPDATE SET
-    updated_at = greatest(sessions.updated_at, excluded.updated_at),
-    user_id = coalesce(sessions.user_id, excluded.user_id),
-    model = coalesce(excluded.model, sessions.model),
-    parent_session_id = coalesce(sessions.parent_session_id, excluded.parent_session_id)
-"""
-# The staged messages go in after each session's highest seq; returns the turns inserted.
-INSERT_MESSAGES = """
-WITH last AS (
-    SELECT d.session_id,
-           (SELECT max(m.seq) FROM messages AS m WHERE m.session_id = d.session_id) AS seq
-    FROM (SELECT DISTINCT session_id FROM hermes_stage) AS d
-), ins AS (
-    INSERT INTO messages (session_id, seq, turn_key, ordinal, role, content, tool_calls,
-                          tool_call_id, tool_name, timestamp, user_id, scope, metadata,
-                          token_count)
-    SELECT st.session_id, coalesce(last.seq, 0) + st.turn_rank, st.turn_key, st.ordinal,
-           st.role, st.content, st.tool_calls, st.tool_call_id, st.tool_name, st.timestamp,
-           st.user_id, st.scope, st.metadata, st.token_count
-    FROM hermes_stage AS st JOIN last USING (session_id)
-    ORDER BY st.pos
-    ON CONFLICT (turn_key, ordinal) DO NOTHING
-    RETURNING turn_key, ordinal
-)
-SELECT turn_key FROM ins WHERE ordinal = 0
-"""
-ADD_COUNTERS = """
-UPDATE sessions AS s SET message_count = s.message_count + v.m,
-       tool_call_count = s.tool_call_count + v.c, input_tokens = s.input_tokens + v.i,
-       output_tokens = s.output_tokens + v.o
-FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[], $5::bigint[])
-     AS v(id, m, c, i, o)
-WHERE s.id = v.id
-"""
-CLAIM_RECORD = """
-INSERT INTO applied_records (record_key, kind, session_id) VALUES ($1, $2, $3)
-ON CONFLICT (record_key) DO NOTHING RETURNING true
-"""
-# The lifecycle events, as store.lifecycle applies them in SQLite.
-DESCRIBE = """
-INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
-                      model_config, system_prompt, tokens_estimated)
-VALUES ($1, coalesce($4, $3), $5, $6, $7, $2, $2, $8, $9, $10)
-ON CONFLICT (id) DO UPDATE SET
-    source = coalesce($4, sessions.source),
-    user_id = coalesce(sessions.user_id, excluded.user_id),
-    model = coalesce($6, sessions.model),
-    parent_session_id = coalesce($7, sessions.parent_session_id),
-    model_config = coalesce($8, sessions.model_config),
-    system_prompt = coalesce($9, sessions.system_prompt),
-    tokens_estimated = sessions.tokens_estimated OR $10,
-    updated_at = greatest(sessions.updated_at, excluded.updated_at)
-"""
-END = """
-INSERT INTO sessions (id, source, user_id, started_at, updated_at, ended_at, end_reason)
-VALUES ($1, $3, $4, $2, $2, $2, $5)
-ON CONFLICT (id) DO UPDATE SET
-    user_id = coalesce(sessions.user_id, excluded.user_id),
-    ended_at = excluded.ended_at, end_reason = excluded.end_reason,
-    updated_at = greatest(sessions.updated_at, excluded.updated_at)
-"""
-# Prune's form: the session goes only if it ended, and was last updated, before the cut-off.
-PRUNABLE = """
-SELECT EXISTS (SELECT 1 FROM sessions WHERE id = $1 AND ended_at IS NOT NULL
-               AND ended_at < $2 AND updated_at < $2 AND ($3::text IS NULL OR source = $3))
-"""
-DELETE_SESSION = (
-    "DELETE FROM messages WHERE session_id = $1",  # its tool calls go with them (cascade)
-    "DELETE FROM template_sessions WHERE session_id = $1",
-    "DELETE FROM sessions WHERE id = $1",
-)
-IMPORT_ROW = """
-INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
-                      ended_at, end_reason, message_count, tool_call_count, input_tokens,
-                      output_tokens, model_config, system_prompt, tokens_estimated)
-VALUES ($1, coalesce($2, $17), $3, $4, $5, $6, coalesce($7, $18), $8, $9, $10, $11, $12,
-        $13, $14, $15, $16)
-ON CONFLICT (id) DO NOTHING
-"""
-IMPORT_TARGET = "SELECT EXISTS (SELECT 1 FROM sessions WHERE id = $1 AND started_at = $2)"
-LAST_SEQ = "SELECT coalesce(max(seq), 0) FROM messages WHERE session_id = $1"
-IMPORT_MESSAGES = """
-INSERT INTO messages (session_id, seq, turn_key, ordinal, role, content, tool_calls,
-                      tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count)
-SELECT $1, v.seq, v.turn_key, v.ordinal, v.role, v.content, v.tool_calls, v.tool_call_id,
-       v.tool_name, v.ts, v.user_id, $2, v.metadata, v.token_count
-FROM unnest($3::bigint[], $4::text[], $5::int[], $6::text[], $7::text[], $8::text[],
-            $9::text[], $10::text[], $11::float8[], $12::text[], $13::text[], $14::int[])
-     WITH ORDINALITY AS v(seq, turn_key, ordinal, role, content, tool_calls, tool_call_id,
-                          tool_name, ts, user_id, metadata, token_count, n)
-ORDER BY v.n
-ON CONFLICT (turn_key, ordinal) DO NOTHING
-"""
-# Key-value memory, as store.memories applies it: a put keeps an entry's created_at.
-KV_PUT = """
-INSERT INTO memories (user_id, key, value, metadata, created_at, updated_at, scope)
-VALUES ($1, $2, $3, $4, $5, $5, $6)
-ON CONFLICT (user_id, key) DO UPDATE SET
-    value = excluded.value, metadata = excluded.metadata, updated_at = excluded.updated_at
-"""
-KV_DELETE = "DELETE FROM memories WHERE user_id = $1 AND key = $2"
-# A recall: the scope token (weight A) and any of the terms, through the GIN index; the
-# user (or session) is checked again on the row, so a word that happens to equal a scope
-# token never lets another user's row in.
-RECALL = """
-SELECT id, session_id, role, timestamp, left(content, {chars}) AS content
-FROM messages
-WHERE search @@ (plainto_tsquery('simple', $1) && ({terms}))
-  AND {column} = $2
-ORDER BY ts_rank(search, {terms}) DESC, id DESC
-LIMIT $3
-"""
 
 
 @dataclass(slots=True)
@@ -577,30 +449,17 @@ class PostgresBackend(Backend):
         """
         if self._down is not None and self._clock() < self._next_probe:
             return None
-        terms = recall_terms(request.query, self._settings.recall_max_terms)
-        if not terms:
-            return ""
-        if request.user_id:
-            column, owner = "user_id", request.user_id
-        else:
-            column, owner = "session_id", request.session_id
-        tsquery = " || ".join(f"plainto_tsquery('simple', ${i + 4})" for i in range(len(terms)))
-        sql = RECALL.format(chars=SNIPPET_SOURCE_CHARS, terms=f"({tsquery})", column=column)
-        scope = scope_token_for(request.user_id, request.session_id)
         try:
             pool = await self._ensure_pool()
             async with database_errors(self._dsn):
-                rows = await pool.fetch(sql, scope, owner, request.limit, *terms,
-                                        timeout=RECALL_TIMEOUT_S)
+                block = await recall_block(pool, request, self._settings)
         except DatabaseUnavailableError as exc:
             self._mark_down(exc)
             return None
         except DatabaseError as exc:
             raise BackendError(f"PostgreSQL recall failed: {describe(exc)}") from None
         self._mark_up()
-        tokens = self._settings.recall_snippet_tokens
-        return render_hits(Hit(r["id"], r["session_id"], r["role"], r["timestamp"],
-                               snippet(r["content"] or "", terms, tokens)) for r in rows)
+        return block
 
 
 def phases(records: Sequence[Turn]) -> list[_Phase]:
@@ -627,19 +486,13 @@ def stage_rows(turns: Iterable[Turn]) -> list[tuple[Any, ...]]:
     ranks: Counter[str] = Counter()
     for t in turns:
         ranks[t.session_id] += 1
-        doc = json.loads(t.payload)
-        md = doc["d"]
-        metadata = None if not md else json.dumps(md, ensure_ascii=False)
         rank = ranks[t.session_id]
-        for ordinal, m in enumerate(doc["m"]):
-            role, content, calls, call_id, tool = m[0], m[1], m[2], m[3], m[4]
+        for (sid, key, ordinal, *texts, at, user, scope, metadata, tokens
+             ) in payload_rows(t.payload):
             if t.has_nul:
-                role, content, calls, call_id, tool = (
-                    _clean(role), _clean(content), _clean(calls), _clean(call_id),
-                    _clean(tool))
-            rows.append((len(rows), t.session_id, rank, t.key, ordinal, role, content, calls,
-                         call_id, tool, float(doc["t"]), t.user_id, doc["c"], metadata,
-                         m[5] if len(m) > 5 else None))
+                texts = [_clean(v) for v in texts]
+            rows.append((len(rows), sid, rank, key, ordinal, *texts, float(at), user, scope,
+                         metadata, tokens))
     return rows
 
 
@@ -649,30 +502,6 @@ def notify_payload(users: Iterable[str], sessions: Iterable[str]) -> str:
     payload = json.dumps({"users": sorted(users), "sessions": sorted(sessions)},
                          separators=(",", ":"))
     return payload if len(payload.encode()) <= MAX_NOTIFY_BYTES else NOTIFY_ALL
-
-
-def recall_terms(query: str, max_terms: int) -> list[str]:
-    """The query's distinct words, lower-cased as the 'simple' configuration stores them,
-    longest first. Each becomes a ``plainto_tsquery`` parameter: never query syntax."""
-    seen: dict[str, None] = {}
-    for raw in _WORD.findall(query[:4096]):
-        for part in raw.split("_"):
-            if part:
-                seen.setdefault(part.lower(), None)
-    return sorted(seen, key=len, reverse=True)[:max_terms]
-
-
-def snippet(content: str, terms: Sequence[str], tokens: int) -> str:
-    """Up to ``tokens`` words of ``content`` around the first that matches a term, with
-    ``…`` where it was cut (as the local store's FTS5 snippet)."""
-    words = content.split()
-    wanted = set(terms)
-    at = next((i for i, w in enumerate(words)
-               if any(part.lower() in wanted
-                      for found in _WORD.findall(w) for part in found.split("_"))), 0)
-    start = max(0, min(at - tokens // 4, len(words) - tokens))
-    piece = " ".join(words[start:start + tokens])
-    return f"{'…' if start > 0 else ''}{piece}{'…' if start + tokens < len(words) else ''}"
 
 
 def _clean(value: Any) -> Any:

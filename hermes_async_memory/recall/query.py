@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from ..store import Hit
 from .cache import RECALL_HEADER
@@ -30,8 +30,10 @@ def fold(term: str) -> str:
     return "".join(c for c in decomposed if not unicodedata.combining(c))
 
 
-def query_terms(query: str, frequent: frozenset[str], max_terms: int) -> list[str]:
-    """Distinct, searchable terms of ``query``, rarest-looking (longest) first."""
+def query_terms(query: str, frequent: frozenset[str], max_terms: int,
+                fold: Callable[[str], str] = fold) -> list[str]:
+    """Distinct, searchable terms of ``query``, rarest-looking (longest) first, each folded
+    as the index folds its words (``fold``: FTS5's unicode61 by default)."""
     seen: dict[str, None] = {}
     for raw in _WORD.findall(query[:MAX_QUERY_CHARS]):
         for part in raw.split("_"):

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE
-from ..turns import TURN, Turn
+from ..turns import TURN, Turn, payload_rows
 from .lifecycle import session_statements
 from .memories import op_statements, ops_done
 from .sql import sql_literal
@@ -174,14 +174,7 @@ class Batch:
 
     def message_rows(self) -> list[tuple[Any, ...]]:
         """The messages as bound rows, for a batch whose text SQLite's JSON would cut."""
-        rows = []
-        for payload in self._payloads:
-            doc = json.loads(payload)
-            md = json.dumps(doc["d"], ensure_ascii=False) if doc["d"] else None
-            for i, m in enumerate(doc["m"]):
-                rows.append((doc["s"], doc["k"], i, *m[:5], doc["t"], doc["u"], doc["c"], md,
-                             m[5] if len(m) > 5 else None))
-        return rows
+        return [row for payload in self._payloads for row in payload_rows(payload)]
 
     def literal_parts(self) -> list[str]:
         """The turns' JSON as an SQL string literal, in pieces to join once with the rest of
