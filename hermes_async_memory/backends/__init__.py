@@ -8,6 +8,7 @@ from .base import (
     BackendWriteError,
     RecallRequest,
     TurnFailure,
+    WriteNotice,
 )
 from .honcho import CircuitOpenError, HonchoBackend, HonchoConfig, HonchoWriteError
 from .memory import InMemoryBackend
@@ -25,4 +26,5 @@ __all__ = [
     "NullBackend",
     "RecallRequest",
     "TurnFailure",
+    "WriteNotice",
 ]

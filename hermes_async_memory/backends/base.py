@@ -7,7 +7,7 @@ the store has them and may answer recalls. Backends are async and own their conn
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -55,6 +55,17 @@ class RecallRequest:
     limit: int
 
 
+@dataclass(frozen=True, slots=True)
+class WriteNotice:
+    """Writes committed to a shared backend by another process: for these users, and these
+    sessions of no user; for everyone when ``everyone`` (a notice too big to name them, or
+    the watch reconnected and may have missed some)."""
+
+    users: frozenset[str] = frozenset()
+    sessions: frozenset[str] = frozenset()
+    everyone: bool = False
+
+
 class Backend(abc.ABC):
     """A place committed turns are replicated to, and recalls may be answered from."""
 
@@ -63,6 +74,8 @@ class Backend(abc.ABC):
     recalls: bool = False
     # Whether it keeps key-value memory too: every key-value write is then sent to it.
     mirrors_kv: bool = False
+    # Whether watch() reports other processes' writes (a store shared by several machines).
+    watches: bool = False
 
     async def startup(self) -> None:  # noqa: B027 - optional hook
         """Open connections; called once before any other method."""
@@ -96,3 +109,8 @@ class Backend(abc.ABC):
     async def recall(self, request: RecallRequest) -> str | None:
         """A recall block, or None to let the local store answer."""
         return None
+
+    async def watch(self, on_write: Callable[[WriteNotice], None]) -> None:
+        """Call ``on_write`` (on the event loop) for each write other processes commit,
+        until cancelled; a supervised part, run only when ``watches``."""
+        raise NotImplementedError(f"{self.name} does not watch for writes")

@@ -33,8 +33,10 @@ with no operation (the common case) is one phase.
   character) in message text, so the batch never fails for it and the place stays visible.
   (JSON text, metadata and tool calls, holds it escaped, as ``\\u0000``, unchanged.)
 - **NOTIFY.** The transaction sends ``pg_notify(WRITES_CHANNEL, …)`` naming the users (and
-  the sessions without a user) it wrote; PostgreSQL delivers it at commit, and only then,
-  so other machines can refresh their prefetch caches.
+  the sessions without a user) it wrote, and this backend's ``origin``; PostgreSQL
+  delivers it at commit, and only then. ``watch`` LISTENs on the channel (``listen``) and
+  reports the other origins' writes, so each machine refreshes its prefetch cache for those
+  users; after a reconnect it reports everyone (what was sent meanwhile is lost).
 
 Outages. A failure to reach the server (refused, lost, timed out, shutting down) raises
 ``BackendUnavailableError``: the replicator keeps the records and counts no attempt, and
@@ -53,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +69,7 @@ from ..backends.base import (
     BackendWriteError,
     RecallRequest,
     TurnFailure,
+    WriteNotice,
 )
 from ..errors import (
     BackendError,
@@ -75,9 +79,11 @@ from ..errors import (
     describe,
 )
 from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, SessionOp, parse_op
+from ..retry import Backoff
 from ..settings import Settings
 from ..turns import TURN, Turn, payload_rows, scope_token_for, scope_tokens
 from .dsn import redact_dsn, settings_dsn
+from .listen import Listener
 from .pool import close_pool, create_pool, database_errors
 from .recall import recall_block
 from .schema import check
@@ -111,7 +117,6 @@ log = structlog.get_logger(__name__)
 WRITES_CHANNEL = "hermes_writes"
 # NOTIFY refuses a payload of 8,000 bytes or more; past this the payload says "everyone".
 MAX_NOTIFY_BYTES = 7900
-NOTIFY_ALL = '{"all":true}'
 NUL = "\x00"
 NUL_STORED = "\ufffd"
 # While the database is known down, a recall tries it again at most this often (each try
@@ -143,6 +148,7 @@ class PostgresBackend(Backend):
     name = "postgres"
     recalls = True
     mirrors_kv = True
+    watches = True
 
     def __init__(self, settings: Settings, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -155,6 +161,9 @@ class PostgresBackend(Backend):
         self._down: str | None = None  # why the database is known down, while it is
         self._next_probe = 0.0
         self._closed = False
+        # Names this process's writes in their notifications: its own are not reported back.
+        self.origin = uuid.uuid4().hex[:16]
+        self.listener: Listener | None = None
         self.counts: Counter[str] = Counter()
 
     def __repr__(self) -> str:
@@ -247,8 +256,9 @@ class PostgresBackend(Backend):
             async with database_errors(self._dsn):
                 async with pool.acquire() as conn, conn.transaction():
                     written = await self._apply(conn, turns, maybe_sent)
-                    await conn.execute("SELECT pg_notify($1, $2)", WRITES_CHANNEL,
-                                       notify_payload(written.users, written.sessions))
+                    await conn.execute(
+                        "SELECT pg_notify($1, $2)", WRITES_CHANNEL,
+                        notify_payload(self.origin, written.users, written.sessions))
         except DatabaseError as exc:
             self._failed(turns, exc)
         self._mark_up()
@@ -437,6 +447,34 @@ class PostgresBackend(Backend):
         await conn.execute(IMPORT_MESSAGES, op.session_id,
                            scope_tokens(op.user_id, op.session_id), *columns)
 
+    # -- other machines' writes ----------------------------------------------------------
+
+    async def watch(self, on_write: Callable[[WriteNotice], None]) -> None:
+        """Report other processes' writes (their NOTIFY) until cancelled; after each
+        (re)connect, report everyone. Run as a supervised part.
+
+        Raises:
+            DatabaseError: the server refused the connection for a lasting reason.
+        """
+        listener = Listener(self._settings, backoff=Backoff())
+        self.listener = listener
+
+        def on_notification(payload: str) -> None:
+            notice = parse_notice(payload, self.origin)
+            if notice is not None:
+                on_write(notice)
+
+        listener.subscribe(WRITES_CHANNEL, on_notification)
+
+        def on_connect() -> None:
+            # The database answers again: recalls stop falling back now, not at the next
+            # probe, so the refresh that follows reads it (and clears stale blocks).
+            self._mark_up()
+            on_write(WriteNotice(everyone=True))
+
+        listener.on_connect(on_connect)
+        await listener.run()
+
     # -- recall --------------------------------------------------------------------------
 
     async def recall(self, request: RecallRequest) -> str | None:
@@ -496,12 +534,30 @@ def stage_rows(turns: Iterable[Turn]) -> list[tuple[Any, ...]]:
     return rows
 
 
-def notify_payload(users: Iterable[str], sessions: Iterable[str]) -> str:
-    """JSON naming the users and the (user-less) sessions written; ``NOTIFY_ALL`` when
-    that would not fit a notification."""
-    payload = json.dumps({"users": sorted(users), "sessions": sorted(sessions)},
-                         separators=(",", ":"))
-    return payload if len(payload.encode()) <= MAX_NOTIFY_BYTES else NOTIFY_ALL
+def notify_payload(origin: str, users: Iterable[str], sessions: Iterable[str]) -> str:
+    """JSON naming the writer's ``origin``, the users and the (user-less) sessions written;
+    ``"all"`` rather than names when they would not fit a notification."""
+    payload = json.dumps({"origin": origin, "users": sorted(users),
+                          "sessions": sorted(sessions)}, separators=(",", ":"))
+    if len(payload.encode()) <= MAX_NOTIFY_BYTES:
+        return payload
+    return json.dumps({"origin": origin, "all": True}, separators=(",", ":"))
+
+
+def parse_notice(payload: str, own_origin: str) -> WriteNotice | None:
+    """The notice a ``notify_payload`` carries; None for ``own_origin``'s. A payload that is
+    not ours to read (another program on the channel) counts as everyone's writes."""
+    try:
+        data = json.loads(payload)
+        if data.get("origin") == own_origin:
+            return None
+        if data.get("all"):
+            return WriteNotice(everyone=True)
+        return WriteNotice(frozenset(map(str, data["users"])),
+                           frozenset(map(str, data["sessions"])))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        log.warning("postgres_notice_unreadable", size=len(payload))
+        return WriteNotice(everyone=True)
 
 
 def _clean(value: Any) -> Any:

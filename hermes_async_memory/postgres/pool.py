@@ -78,6 +78,15 @@ async def database_errors(dsn: str) -> AsyncIterator[None]:
         raise database_error(exc, dsn)  # noqa: B904 (its cause is chosen in database_error)
 
 
+def _checked_dsn(settings: Settings) -> str:
+    dsn = settings_dsn(settings)
+    root = settings.postgres_sslrootcert
+    if root is not None and not root.is_file():
+        # The driver would say "No such file or directory", and not which.
+        raise ConfigurationError(f"postgres_sslrootcert {root} is not a file")
+    return dsn
+
+
 async def create_pool(settings: Settings) -> Pool[Record]:
     """A pool of connections to ``settings.postgres_dsn`` (its TLS options applied), with
     ``postgres_pool_min_size`` connections opened now. Close it with ``pool.close()``, or use
@@ -89,11 +98,7 @@ async def create_pool(settings: Settings) -> Pool[Record]:
         DatabaseError: it refused the connection (wrong password, no such database, TLS
             required...) or the DSN does not parse.
     """
-    dsn = settings_dsn(settings)
-    root = settings.postgres_sslrootcert
-    if root is not None and not root.is_file():
-        # The driver would say "No such file or directory", and not which.
-        raise ConfigurationError(f"postgres_sslrootcert {root} is not a file")
+    dsn = _checked_dsn(settings)
     started = time.perf_counter()
     try:
         pool: Pool[Record] = await asyncpg.create_pool(
@@ -108,6 +113,23 @@ async def create_pool(settings: Settings) -> Pool[Record]:
              max_size=settings.postgres_pool_max_size,
              duration_ms=round((time.perf_counter() - started) * 1000, 1))
     return pool
+
+
+async def connect(settings: Settings) -> asyncpg.Connection[Record]:
+    """One connection of its own (not the pool's) to ``settings.postgres_dsn``: a LISTEN
+    needs a connection that stays with its listener. Close it with ``close()``.
+
+    Raises:
+        ConfigurationError, DatabaseUnavailableError, DatabaseError: as ``create_pool``.
+    """
+    dsn = _checked_dsn(settings)
+    try:
+        conn: asyncpg.Connection[Record] = await asyncpg.connect(
+            dsn, timeout=settings.postgres_connect_timeout_s,
+            server_settings={"application_name": APPLICATION_NAME})
+    except CONNECT_ERRORS as exc:
+        raise database_error(exc, dsn)  # noqa: B904 (its cause is chosen in database_error)
+    return conn
 
 
 @asynccontextmanager
