@@ -88,6 +88,7 @@ class Maintenance:
         self.rows_since_vocab = 0
         self.inbox_counts: tuple[int, float | None] = (0, None)
         self.replica_counts = (0, 0)  # (pending, dead)
+        self.replica_oldest: float | None = None  # the oldest waiting record's accept time
         self._checkpoint_due = False
         self._prune_next = 0.0
         self._trimmed_at = 0  # the outbox's settled bytes when the heap was last given back
@@ -212,4 +213,6 @@ class Maintenance:
     def _replica_counts(self, name: str) -> Callable[[], Awaitable[None]]:
         async def count() -> None:
             self.replica_counts = await self._store.replica_counts(name)
+            self.replica_oldest = (await self._store.replica_oldest_pending(name)
+                                   if self.replica_counts[0] else None)
         return count

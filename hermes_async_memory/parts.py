@@ -223,8 +223,13 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     supervisor.add("maintenance", maintenance.run)
     if store.replica is not None:
         parts.replicator = Replicator(store, p.backend, max_attempts=s.replica_max_attempts,
-                                      backoff=backoff, on_progress=p.changed)
+                                      backoff=backoff, on_progress=p.changed,
+                                      conditions=p.conditions)
         supervisor.add("replicator", parts.replicator.run)
+    if commits and p.backend.watches:
+        # Other machines' writes refresh this one's prefetch blocks (a shared store).
+        backend = p.backend
+        supervisor.add("backend_watch", lambda: backend.watch(recall.refresh))
     if role == "worker":
         parts.server = RecallServer(store, local, poll_s=s.shared_poll_ms / 1000,
                                     concurrency=RECALL_SERVER_CONCURRENCY)
@@ -270,6 +275,8 @@ def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
     w, r, rec = parts.writer, parts.recall, parts.recovery
     inbox_n, inbox_oldest = parts.maintenance.inbox_counts
     replica = parts.replicator
+    waiting = replica is not None and not replica.idle
+    replica_oldest = parts.maintenance.replica_oldest if waiting else None
     return PipelineStats(
         accepted_turns=parts.outbox.accepted(), queued_turns=c.unread_turns,
         queued_bytes=c.pending_bytes,
@@ -293,8 +300,13 @@ def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
         leases_lost=w.leases_lost,
         recalls_served=0 if parts.server is None else parts.server.served,
         replicated_turns=0 if replica is None else replica.replicated,
-        replica_pending=parts.maintenance.replica_counts[0],
+        replica_pending=parts.maintenance.replica_counts[0] if waiting else 0,
         replica_errors=0 if replica is None else replica.errors,
         replica_dead=parts.maintenance.replica_counts[1],
+        replica_lag_s=(0.0 if replica_oldest is None
+                       else max(0.0, time.time() - replica_oldest)),
+        replica_available=p.backend.available(),
+        stale_blocks=p.cache.stale_blocks(),
+        refreshes_queued=r.refreshes_queued,
         **common,  # type: ignore[arg-type]
     )

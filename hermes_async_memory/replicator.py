@@ -27,6 +27,7 @@ from .backends.base import BackendUnavailableError, BackendWriteError
 from .errors import describe
 from .retry import Backoff, retry_transient
 from .store import ReplicaRow, SqliteStore
+from .supervisor import REPLICA_UNAVAILABLE, Conditions
 from .turns import Turn
 
 log = structlog.get_logger(__name__)
@@ -42,8 +43,10 @@ class Replicator:
     """Sends the replica outbox of one backend; a supervised part."""
 
     def __init__(self, store: SqliteStore, backend: Backend, *, max_attempts: int,
-                 backoff: Backoff, on_progress: Callable[[], None] = lambda: None) -> None:
+                 backoff: Backoff, on_progress: Callable[[], None] = lambda: None,
+                 conditions: Conditions | None = None) -> None:
         self._on_progress = on_progress
+        self._conditions = conditions or Conditions()
         self._store = store
         self._backend = backend
         self._name = backend.name
@@ -52,12 +55,16 @@ class Replicator:
         self._work = asyncio.Event()
         self._wait = 0.0  # after a failed write: how long until the next
         self._unsure_upto: int | None = None
+        # The outbox was found empty and nothing was committed since: nothing waits (the
+        # maintenance's counts lag by up to a round).
+        self.idle = False
         self.replicated = 0
         self.errors = 0
         self.dead = 0
         self.unavailable = 0
 
     def wake(self) -> None:
+        self.idle = False
         self._work.set()
 
     async def run(self) -> None:
@@ -66,10 +73,11 @@ class Replicator:
             if self._unsure_upto is None:
                 # Rows an earlier run left may have reached the backend before it stopped.
                 self._unsure_upto = await self._store.replica_last_id(self._name)
+            self._work.clear()  # set again by a commit from here on
             rows = await self._store.replica_pending(self._name, REPLICA_SESSIONS,
                                                      REPLICA_TURNS)
             if not rows:
-                self._work.clear()
+                self.idle = not self._work.is_set()
                 with anyio.move_on_after(REPLICA_POLL_S):
                     await self._work.wait()
                 continue
@@ -78,6 +86,11 @@ class Replicator:
             # run: the backend first checks what it already holds.
             maybe_sent = any(r.tried or r.id <= self._unsure_upto for r in rows)
             failed = await self._replicate(rows, turns, maybe_sent, failures)
+            # Every waiting record was in this write (fewer than a full read), none is to be
+            # tried again, and nothing was committed since: the outbox is empty now.
+            whole = (len(rows) < REPLICA_TURNS
+                     and len({r.session_id for r in rows}) < REPLICA_SESSIONS)
+            self.idle = whole and not failed and not self._work.is_set()
             self._on_progress()
             failures = failures + 1 if failed else 0
             if failures:
@@ -96,11 +109,13 @@ class Replicator:
             await retry_transient(lambda: store.replica_failed(marks, counted=False),
                                   self._backoff)
             self._wait = exc.retry_after_s or self._backoff.delay(failures + 1)
+            self._conditions.set(REPLICA_UNAVAILABLE, f"{self._name}: {describe(exc)}")
             log.warning("replica_unavailable", backend=self._name, turns=len(rows),
                         retry_in_s=round(self._wait, 3), error=describe(exc))
             return True
         except Exception as exc:  # the per-write boundary: every failure is kept
             return await self._failed(rows, exc)
+        self._conditions.clear(REPLICA_UNAVAILABLE)
         ids = [r.id for r in rows]
         await retry_transient(lambda: store.replica_done(ids), self._backoff)
         self.replicated += len(rows)

@@ -67,6 +67,14 @@ class PipelineStats:
     replica_pending: int = 0
     replica_errors: int = 0
     replica_dead: int = 0
+    # How long the oldest record still waiting for the replica has waited since its accept;
+    # whether the backend can be reached now; cached blocks served stale because the
+    # backend could not be asked (its last good block is kept); recalls queued because
+    # another machine wrote the user's memory (a shared store's notices).
+    replica_lag_s: float = 0.0
+    replica_available: bool = True
+    stale_blocks: int = 0
+    refreshes_queued: int = 0
 
 
 def percentile(samples: list[float], q: float) -> float:

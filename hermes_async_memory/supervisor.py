@@ -30,6 +30,9 @@ log = structlog.get_logger(__name__)
 # or the store cannot commit (turns wait, durable, in the outbox).
 DISK_FULL = "disk_full"
 DISK_FULL_STORE = "disk_full_store"
+# The replica backend cannot be reached: the pipeline accepts and commits locally, and the
+# backlog waits (health stays ok; stats show the lag).
+REPLICA_UNAVAILABLE = "replica_unavailable"
 
 # A part that ran this long since its last restart starts its backoff afresh, and no longer
 # shows as restarting in health.

@@ -25,6 +25,7 @@ from ..ops import OP_SESSION, parse_session_record
 from ..turns import TURN
 
 if TYPE_CHECKING:
+    from ..backends import WriteNotice
     from ..turns import Turn
 
 CacheKey = tuple[str | None, str]  # (user id, session id)
@@ -70,6 +71,8 @@ class RecallCache:
     def __init__(self, *, max_sessions: int, recent_turns: int, recent_chars: int,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._entries: OrderedDict[CacheKey, _Entry] = OrderedDict()
+        # The sessions cached for each user: who to refresh when a user's memory changes.
+        self._by_user: dict[str | None, dict[str, None]] = {}
         self._max = max_sessions
         self._recent_turns = recent_turns
         self._recent_chars = recent_chars
@@ -125,6 +128,27 @@ class RecallCache:
             stale=entry.recall_stale,
         )
 
+    def stale_blocks(self) -> int:
+        """Entries serving a backend's block marked stale (the backend could not be asked)."""
+        return sum([1 for entry in list(self._entries.values()) if entry.recall_stale])
+
+    def followed(self, notice: WriteNotice) -> list[tuple[str | None, str, str]]:
+        """(user, session, last recall query) of the entries whose recall block ``notice``
+        may have outdated: those of its users and of its user-less sessions, or all."""
+        entries, out = self._entries, []
+        if notice.everyone:
+            keys: list[CacheKey] = list(entries)
+        else:
+            by_user = self._by_user
+            keys = [(user, session) for user in notice.users
+                    for session in by_user.get(user, ())]
+            keys += [(None, session) for session in notice.sessions]
+        for key in keys:
+            entry = entries.get(key)
+            if entry is not None and entry.recall_query is not None:
+                out.append((key[0], key[1], entry.recall_query))
+        return out
+
     def needs_warm(self, user_id: str | None, session_id: str) -> bool:
         """Whether the session's stored turns from before this process were never looked up."""
         entry = self._entries.get((user_id, session_id))
@@ -177,6 +201,7 @@ class RecallCache:
         gone = [key for key in entries if key[1] == session_id]
         for key in gone:
             del entries[key]
+            self._unindex(key)
         dropped = 0
         if user_id is not None:
             for (user, _), entry in entries.items():
@@ -252,11 +277,19 @@ class RecallCache:
         if entry is None:
             entry = _Entry(recent=deque(maxlen=self._recent_turns or 1))
             entries[key] = entry
+            self._by_user.setdefault(key[0], {})[key[1]] = None
             while len(entries) > self._max:
-                entries.popitem(last=False)
+                self._unindex(entries.popitem(last=False)[0])
         else:
             entries.move_to_end(key)  # in place: a reader on another thread still finds it
         return entry
+
+    def _unindex(self, key: CacheKey) -> None:
+        sessions = self._by_user.get(key[0])
+        if sessions is not None:
+            sessions.pop(key[1], None)
+            if not sessions:
+                del self._by_user[key[0]]
 
     def _render(self, entry: _Entry) -> str:
         parts = []

@@ -24,7 +24,7 @@ from typing import Protocol
 import anyio
 import structlog
 
-from ..backends import Backend, NullBackend, RecallRequest
+from ..backends import Backend, NullBackend, RecallRequest, WriteNotice
 from ..barrier import CommitBarrier
 from ..errors import describe
 from ..metrics import PipelineObserver
@@ -185,6 +185,7 @@ class RecallService:
         self.warms_shed = 0
         self.sessions_warmed = 0
         self.warm_errors = 0
+        self.refreshes_queued = 0
 
     # -- requests (event-loop thread) --------------------------------------------------
 
@@ -199,6 +200,23 @@ class RecallService:
         # The recall runs once the turns accepted before it are settled.
         pending[key] = (query, self._target())
         self._recall_work.set()
+
+    def refresh(self, notice: WriteNotice) -> None:
+        """Another machine wrote these users' memory (a shared backend's notice): recall
+        again, with its last query, each cached session whose block may now be out of date.
+        A refresh takes only free room in the queue: it never sheds an agent's request (the
+        agent's next queue_prefetch asks again anyway)."""
+        pending = self._pending
+        for user_id, session_id, query in self._cache.followed(notice):
+            key = (user_id, session_id)
+            if key in pending:
+                continue  # a recall is queued already, and will read the new writes
+            if len(pending) >= self._max_pending:
+                break
+            pending[key] = (query, self._target())
+            self.refreshes_queued += 1
+        if pending:
+            self._recall_work.set()
 
     def warm(self, user_id: str | None, session_id: str) -> None:
         key = (user_id, session_id)

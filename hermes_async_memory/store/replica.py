@@ -145,6 +145,17 @@ class ReplicaOutbox(Connections):
             row = await cur.fetchone()
         return (int(row[0]), int(row[1])) if row else (0, 0)
 
+    async def replica_oldest_pending(self, backend: str) -> float | None:
+        """When the oldest record still waiting for ``backend`` was accepted (seconds since
+        the epoch), None when none waits: how far the replica lags behind."""
+        async with self.reader() as db, db.execute(
+            "SELECT coalesce((SELECT timestamp FROM messages WHERE id = r.first_id), "
+            "json_extract(r.payload, '$.t')) FROM replica_outbox r "
+            "WHERE r.backend = ? AND r.status = 'pending' ORDER BY r.id LIMIT 1", (backend,),
+        ) as cur:
+            row = await cur.fetchone()
+        return None if row is None or row[0] is None else float(row[0])
+
 
 def requeue_dead_letters(path: Path, backend: str, keys: Sequence[str] | None = None, *,
                          busy_timeout_ms: int = 10_000) -> int:
