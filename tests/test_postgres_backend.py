@@ -247,3 +247,36 @@ async def test_an_outage_loses_nothing_and_shows_no_password(
     assert stored == {s: sent[s] + during[s] for s in sent}
     assert any(e["event"] == "postgres_down" for e in logs)
     pg_server.assert_no_password(repr(logs))
+
+
+async def test_a_refused_record_fails_alone_and_its_session_keeps_order(
+        tmp_path: Path, pg_dsn: str, db: asyncpg.Connection) -> None:
+    """The database refuses one turn of a batch of several sessions (a trigger stands in
+    for whatever it may refuse): every other turn is stored, the refused one becomes the
+    replica's only dead letter once its attempts are spent, and its session's later turns
+    go in after it, in order."""
+    await db.execute("""
+        CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN RAISE EXCEPTION 'poison refused'; END $$;
+        CREATE TRIGGER refuse_poison BEFORE INSERT ON messages FOR EACH ROW
+            WHEN (NEW.content LIKE '%poison%') EXECUTE FUNCTION refuse_poison();
+    """)
+    sessions = ["s1", "s2", "s3", "s4"]
+    with capture_logs() as logs:
+        async with MemoryPipeline(pg_settings(tmp_path, pg_dsn)) as mem:
+            sent = accept(mem, sessions, 6, tag="early ")
+            mem.sync_turn("this is poison", "no", session_id="s2", user_id="alice")
+            later = accept(mem, sessions, 6, tag="late ")
+            await mem.flush(timeout=WAIT_S)
+            with anyio.fail_after(WAIT_S):
+                while True:  # until the refused turn is dead and the rest went in
+                    mark = mem.change_mark()
+                    if (await mem.store.replica_counts("postgres")) == (0, 1):
+                        break
+                    await mem.next_change(since=mark)
+            # The stats count dead letters at the next maintenance round.
+            await mem.wait_until(lambda: mem.stats().replica_dead == 1, timeout=WAIT_S)
+    stored = await stored_turns(db)
+    assert stored == {s: sent[s] + later[s] for s in sessions}
+    refused = [e for e in logs if e["event"] == "postgres_record_refused"]
+    assert refused and all("poison refused" in e["error"] for e in refused)

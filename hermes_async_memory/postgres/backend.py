@@ -140,6 +140,14 @@ class _Written:
     users: set[str] = field(default_factory=set)
     sessions: set[str] = field(default_factory=set)  # of turns with no user
 
+    def add(self, other: _Written) -> None:
+        self.inserted += other.inserted
+        self.skipped += other.skipped
+        self.applied += other.applied
+        self.already += other.already
+        self.users |= other.users
+        self.sessions |= other.sessions
+
 
 class PostgresBackend(Backend):
     """Replicates committed records to the shared PostgreSQL store and answers recalls from
@@ -242,25 +250,29 @@ class PostgresBackend(Backend):
     async def write(self, turns: Sequence[Turn], *, maybe_sent: bool = False) -> None:
         """Write ``turns`` (and operations) in one transaction, each once (module doc).
 
+        A batch the database refuses is split to find the records it refuses (``_isolate``):
+        the other lanes are written, and so is each refused lane up to its first refused
+        record.
+
         Raises:
             BackendUnavailableError: the database cannot be reached (or its schema is not
                 this library's yet); nothing was written, or (a connection lost at commit)
                 the outcome is unknown: send again with ``maybe_sent``.
-            BackendWriteError: the database refused the batch; none of it was written.
+            BackendWriteError: the database refused records (``failures``: each refused
+                record, and its lane's later ones, not attempted); the rest were written.
         """
         if not turns:
             return
         started = time.perf_counter()
         try:
-            pool = await self._ensure_pool()
-            async with database_errors(self._dsn):
-                async with pool.acquire() as conn, conn.transaction():
-                    written = await self._apply(conn, turns, maybe_sent)
-                    await conn.execute(
-                        "SELECT pg_notify($1, $2)", WRITES_CHANNEL,
-                        notify_payload(self.origin, written.users, written.sessions))
+            written = await self._commit(turns, maybe_sent)
         except DatabaseError as exc:
-            self._failed(turns, exc)
+            if isinstance(exc, (DatabaseUnavailableError, SchemaVersionError)) or len(turns) == 1:
+                self._failed(turns, exc)
+            log.warning("postgres_batch_refused", records=len(turns), error=describe(exc))
+            written, failures = await self._isolate(turns, maybe_sent)
+        else:
+            failures = []
         self._mark_up()
         self.counts["turns_inserted"] += written.inserted
         self.counts["turns_skipped"] += written.skipped
@@ -268,8 +280,86 @@ class PostgresBackend(Backend):
         self.counts["ops_skipped"] += written.already
         log.info("postgres_write", records=len(turns), turns_inserted=written.inserted,
                  turns_skipped=written.skipped, ops_applied=written.applied,
-                 ops_skipped=written.already, maybe_sent=maybe_sent,
+                 ops_skipped=written.already, maybe_sent=maybe_sent, refused=len(failures),
                  duration_ms=round((time.perf_counter() - started) * 1000, 1))
+        if failures:
+            raise BackendWriteError(failures, written=len(turns) - len(failures),
+                                    message=failures[0].reason)
+
+    async def _commit(self, turns: Sequence[Turn], maybe_sent: bool) -> _Written:
+        """``turns`` in one transaction, with its NOTIFY.
+
+        Raises:
+            DatabaseError: the transaction failed (ours: scrubbed, typed).
+            BackendError: the backend is closed.
+        """
+        pool = await self._ensure_pool()
+        async with database_errors(self._dsn):
+            async with pool.acquire() as conn, conn.transaction():
+                written = await self._apply(conn, turns, maybe_sent)
+                await conn.execute(
+                    "SELECT pg_notify($1, $2)", WRITES_CHANNEL,
+                    notify_payload(self.origin, written.users, written.sessions))
+        return written
+
+    async def _isolate(self, turns: Sequence[Turn], maybe_sent: bool
+                       ) -> tuple[_Written, list[TurnFailure]]:
+        """Write a refused batch in parts: its lanes in halves, each part one transaction,
+        until a lane alone is refused; then that lane's longest prefix the database takes
+        (halving the rest). The record it refuses fails, attempted; the lane's later records
+        wait for it (not attempted), so the lane keeps its order. A bad record costs
+        O(log n) transactions; the other sessions go in.
+
+        Raises:
+            BackendUnavailableError: the database went away meanwhile: the parts written
+                stay (the resend, ``maybe_sent``, skips them).
+        """
+        total, failures = _Written(), []
+        lanes: dict[str, list[Turn]] = {}
+        for t in turns:
+            lanes.setdefault(t.session_id, []).append(t)
+        groups: list[list[list[Turn]]] = [list(lanes.values())]
+        while groups:
+            group = groups.pop()
+            records = [t for lane in group for t in lane]
+            try:
+                total.add(await self._commit(records, maybe_sent))
+                continue
+            except DatabaseError as exc:
+                if isinstance(exc, (DatabaseUnavailableError, SchemaVersionError)):
+                    self._failed(records, exc)
+                if len(group) > 1:
+                    half = len(group) // 2
+                    groups += [group[half:], group[:half]]  # the first half next
+                    continue
+            failures += await self._lane_prefix(group[0], maybe_sent, total)
+        return total, failures
+
+    async def _lane_prefix(self, lane: list[Turn], maybe_sent: bool, total: _Written
+                           ) -> list[TurnFailure]:
+        """Write the longest prefix of ``lane`` the database takes; the failures of the
+        first record it refuses and of those after it."""
+        start = 0
+        size = max(1, len(lane) // 2)  # the whole lane was refused already
+        while start < len(lane):
+            try:
+                total.add(await self._commit(lane[start:start + size], maybe_sent))
+            except DatabaseError as exc:
+                if isinstance(exc, (DatabaseUnavailableError, SchemaVersionError)):
+                    self._failed(lane[start:], exc)
+                if size > 1:
+                    size //= 2
+                    continue
+                reason = describe(exc)
+                bad = lane[start]
+                log.warning("postgres_record_refused", key=bad.key, session_id=bad.session_id,
+                            error=reason)
+                return [TurnFailure(bad.key, bad.session_id, reason, False)] + [
+                    TurnFailure(t.key, t.session_id, f"waits for refused record {bad.key}",
+                                False, attempted=False) for t in lane[start + 1:]]
+            start += size
+            size = len(lane) - start
+        return []
 
     def _failed(self, turns: Sequence[Turn], exc: DatabaseError) -> NoReturn:
         """Raise the backend error for a write that failed with ``exc`` (ours, scrubbed):
