@@ -49,10 +49,14 @@ async def spawn() -> AsyncIterator[Spawn]:
     """Start worker subprocesses; any still running at the end of the test is killed."""
     started: list[asyncio.subprocess.Process] = []
 
-    async def start(*args: str) -> Worker:
+    async def start(*args: str, env: dict[str, str] | None = None,
+                    stdin: bool = False) -> Worker:
+        """``python *args``, with ``env`` added to its environment; ``stdin``: a pipe the
+        test writes to (``Worker.send_line``)."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable, *args, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=child_env(), cwd=ROOT,
+            stderr=asyncio.subprocess.PIPE, env=child_env(**(env or {})), cwd=ROOT,
+            stdin=asyncio.subprocess.PIPE if stdin else None,
         )
         started.append(proc)
         return Worker(proc)

@@ -88,6 +88,11 @@ class Worker:
         assert line, f"the worker exited before reporting: {self.logs}"
         return json.loads(line)  # type: ignore[no-any-return]
 
+    async def send_line(self, text: str) -> None:
+        assert self.proc.stdin is not None, "started without stdin=True"
+        self.proc.stdin.write(text.encode() + b"\n")
+        await self.proc.stdin.drain()
+
     def signal(self, signum: int) -> None:
         self.proc.send_signal(signum)
 
