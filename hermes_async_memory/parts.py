@@ -187,13 +187,22 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
                           snippet_tokens=s.recall_snippet_tokens, observer=p.observer,
                           procedural=s.procedural_context if s.tool_log else None)
     remote = RemoteRecaller(store, s.max_pending_recalls) if role == "producer" else None
+    jobs = None
+    if remote is None and s.postgres_recall_jobs and s.backend == "postgres":
+        # Recalls as shared jobs that worker processes answer (postgres.recall_jobs).
+        from .postgres.recall_jobs import JobRecaller
+
+        jobs = JobRecaller(s, p.cache, local, changed=p.changed,
+                           max_pending=s.max_pending_recalls, store=store,
+                           procedural=s.procedural_context if s.tool_log else None,
+                           clock=p.clock)
     source = OutboxSource(outbox, p.barrier)
     inbox = (InboxSource(store, lease_owner(key_prefix), s.lease_s, p.clock)
              if role == "worker" else None)
     sources: list[Source] = [source] if inbox is None else [source, inbox]
     sink = StoreSink(store, transactions) if commits else ForwardSink(store, transactions)
     recall = RecallService(
-        recaller=remote or local, cache=p.cache, barrier=p.barrier, store=store,
+        recaller=remote or jobs or local, cache=p.cache, barrier=p.barrier, store=store,
         target=outbox.accepted, max_pending=s.max_pending_recalls,
         max_warms=s.max_pending_warms, recent_turns=s.recent_turns, clock=p.clock,
         changed=p.changed,
@@ -234,6 +243,8 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
         parts.server = RecallServer(store, local, poll_s=s.shared_poll_ms / 1000,
                                     concurrency=RECALL_SERVER_CONCURRENCY)
         supervisor.add("recall_server", parts.server.run)
+    if jobs is not None:
+        supervisor.add("recall_jobs", jobs.run)
     if remote is not None:
         poller = ResultsPoller(store, p.cache, remote, s.shared_poll_ms / 1000)
         await poller.start()

@@ -155,6 +155,15 @@ class Settings:
     # server's certificate against; None keeps the DSN's own (else asyncpg's default, prefer).
     postgres_sslmode: SslMode | None = None
     postgres_sslrootcert: Path | None = None
+    # Shared jobs (backend "postgres"). With postgres_recall_jobs a gateway's queued recalls
+    # are jobs that worker processes on any machine answer (``hermes-memory worker``); its
+    # prefetch cache takes each answer when its NOTIFY comes, and the local recall answers
+    # while the database is down. A worker holds a job for postgres_job_lease_s, renewed
+    # while it runs (a crashed worker's jobs are taken over once that runs out), and runs up
+    # to postgres_job_concurrency jobs at once.
+    postgres_recall_jobs: bool = False
+    postgres_job_lease_s: float = 30.0
+    postgres_job_concurrency: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
@@ -224,6 +233,14 @@ class Settings:
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ConfigurationError(
                 f"postgres_connect_timeout_s must be a positive number, got {timeout!r}")
+        lease = self.postgres_job_lease_s
+        if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not lease > 0:
+            raise ConfigurationError(
+                f"postgres_job_lease_s must be a positive number, got {lease!r}")
+        jobs = self.postgres_job_concurrency
+        if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+            raise ConfigurationError(
+                f"postgres_job_concurrency must be a positive integer, got {jobs!r}")
         if self.postgres_sslmode is not None and self.postgres_sslmode not in SSL_MODES:
             raise ConfigurationError(f"postgres_sslmode must be one of {', '.join(SSL_MODES)}, "
                                      f"got {self.postgres_sslmode!r}")

@@ -30,7 +30,8 @@ from .pg_server import PostgresServer
 from .processes import child_env
 
 TABLES = {"schema_version", "sessions", "messages", "memories", "applied_records",
-          "tool_calls", "tool_log_counts", "templates", "template_sessions", "jobs"}
+          "tool_calls", "tool_log_counts", "templates", "template_sessions", "jobs",
+          "recall_results"}
 WAIT_S = 30.0
 RUN_TIMEOUT_S = 60.0
 

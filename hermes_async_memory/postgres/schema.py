@@ -25,6 +25,8 @@ machines writing one database need on top:
   1 MB, and a longer message of distinct words would fail its insert.
 - **Shared jobs** (version 2): claimed with ``FOR UPDATE SKIP LOCKED`` under a lease on the
   database's clock (``postgres.jobs``).
+- **Recall job results** (version 3): a worker's answer to a gateway's queued recall, per
+  (user, session) (``postgres.recall_jobs``).
 
 Upgrades take a transaction-level advisory lock, so two processes upgrading at once apply
 each migration once: the second waits, then finds nothing to do. A migration and its
@@ -232,10 +234,26 @@ CREATE INDEX jobs_ready ON jobs (kind, run_after, id) WHERE status = 'queued';
 CREATE INDEX jobs_leased ON jobs (kind, lease_until) WHERE status = 'running';
 """
 
+# The answers of recall jobs (``postgres.recall_jobs``): a worker's block for a gateway's
+# queued recall, one row per (user, session), the latest; written in the transaction that
+# completes the job, which also NOTIFYs the gateway that asked (``origin``).
+RECALL_RESULTS = """
+CREATE TABLE recall_results (
+    user_id text NOT NULL,  -- '' for a session without a user
+    session_id text NOT NULL,
+    query text NOT NULL,
+    block text NOT NULL,
+    origin text NOT NULL,  -- the gateway that asked
+    created_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (user_id, session_id)
+);
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "sessions, messages, key-value memory, tool-call log, templates",
               CORE_TABLES),
     Migration(2, "shared jobs", JOBS),
+    Migration(3, "recall job results", RECALL_RESULTS),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 assert [m.version for m in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1))

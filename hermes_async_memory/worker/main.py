@@ -6,6 +6,11 @@
     the pipeline fails (a part that cannot go on) ──► drain what can be, one error line
                                                        naming the cause ──► exit 3
 
+With backend "postgres" the process also runs the shared jobs (``postgres.worker``): a
+runner beside the pipeline, under a supervisor of its own, that claims jobs queued by any
+machine (recalls, derived work) and gives back the unfinished ones when it stops. Its
+counters are in the "worker_stopped" line; its failure ends the process as the pipeline's.
+
 Exiting at once loses nothing: every accepted turn is already durable in the outbox, and the
 next start commits it exactly once.
 """
@@ -35,11 +40,14 @@ from ..errors import ConfigurationError, HermesMemoryError, PipelineFailedError
 from ..extras import require
 from ..logs import LEVELS, configure_logging
 from ..pipeline import MemoryPipeline
+from ..retry import Backoff
 from ..settings import ENV_PREFIX, Settings
 from ..stats import PipelineStats
+from ..supervisor import Supervisor
 from .demo import print_closed, run_demo
 
 if TYPE_CHECKING:
+    from ..postgres.worker import JobWorker
     from .http import HttpServer
 
 log = structlog.get_logger(__name__)
@@ -258,6 +266,7 @@ async def _serve(
         observer = PrometheusObserver()
     mem = MemoryPipeline(settings, observer=observer)
     await mem.start()
+    jobs = _Jobs(settings, mem) if settings.backend == "postgres" else None
     # A long-lived process: keep the start-up heap out of every later full collection, which
     # would otherwise stall the event loop ~0.4 ms per thousand objects it scans.
     gc.collect()
@@ -271,30 +280,39 @@ async def _serve(
                                   observer=observer))
             log.info("http_listening", host=server.host, port=server.port, url=server.url)
         log.info("worker_ready", db=str(settings.db_path), pid=os.getpid(),
-                 deadline_s=settings.shutdown_deadline_s, demo=demo)
+                 deadline_s=settings.shutdown_deadline_s, demo=demo,
+                 jobs_owner=None if jobs is None else jobs.worker.owner)
         if ready is not None:
             ready(mem)
+        failed = None if jobs is None else jobs.failed.wait
         if demo:
-            await _until(stop, mem, lambda: run_demo(mem, out))
+            await _until(stop, mem, lambda: run_demo(mem, out), failed)
         else:
-            await _until(stop, mem, stop.wait)
+            await _until(stop, mem, stop.wait, failed)
     finally:
         try:
-            closed = await _drain(mem, settings.shutdown_deadline_s)
+            if jobs is not None:
+                # First: its unfinished jobs go back for other workers while this one drains.
+                await jobs.stop(settings.shutdown_deadline_s)
+            closed = await _drain(mem, settings.shutdown_deadline_s,
+                                  jobs=None if jobs is None else jobs.worker.stats())
         finally:
             if server is not None:
                 # Closed after the drain, so /healthz answers 503 "pipeline closing" meanwhile.
                 await server.aclose()
     if mem.failure is not None:
         raise mem.failure  # one line and its own exit code (main)
+    if jobs is not None and jobs.failure is not None:
+        raise jobs.failure
     if demo:
         print_closed(closed, out)
 
 
 async def _until(stop: asyncio.Event, mem: MemoryPipeline,
-                 work: Callable[[], Awaitable[object]]) -> None:
-    """Run ``work`` until it ends, a stop signal comes, or the pipeline fails. Errors from
-    ``work`` propagate unwrapped."""
+                 work: Callable[[], Awaitable[object]],
+                 failed: Callable[[], Awaitable[object]] | None = None) -> None:
+    """Run ``work`` until it ends, a stop signal comes, the pipeline fails, or ``failed``
+    returns (the shared jobs failed). Errors from ``work`` propagate unwrapped."""
     with anyio.CancelScope() as scope:
 
         async def cancel_on(event: Callable[[], Awaitable[object]]) -> None:
@@ -303,6 +321,9 @@ async def _until(stop: asyncio.Event, mem: MemoryPipeline,
 
         watchers = [asyncio.create_task(cancel_on(stop.wait), name="worker-stop-watcher"),
                     asyncio.create_task(cancel_on(mem.wait_failed), name="worker-fail-watcher")]
+        if failed is not None:
+            watchers.append(asyncio.create_task(cancel_on(failed),
+                                                name="worker-jobs-fail-watcher"))
         try:
             await work()
         finally:
@@ -311,7 +332,8 @@ async def _until(stop: asyncio.Event, mem: MemoryPipeline,
             await asyncio.wait(watchers)
 
 
-async def _drain(mem: MemoryPipeline, deadline_s: float) -> PipelineStats:
+async def _drain(mem: MemoryPipeline, deadline_s: float, *,
+                 jobs: dict[str, int] | None = None) -> PipelineStats:
     log.info("worker_draining", pending_turns=mem.stats().pending_turns, deadline_s=deadline_s)
     started = time.perf_counter()
     await mem.aclose(deadline_s=deadline_s)
@@ -320,5 +342,34 @@ async def _drain(mem: MemoryPipeline, deadline_s: float) -> PipelineStats:
         "worker_stopped", committed_turns=after.committed_turns,
         left_in_outbox=after.pending_turns,
         duration_ms=round((time.perf_counter() - started) * 1000, 2),
+        **({} if jobs is None else {"jobs": jobs}),
     )
     return after
+
+
+class _Jobs:
+    """The shared jobs beside the pipeline (backend "postgres"): a ``JobWorker`` running
+    every kind ``default_handlers`` knows, restarted after a passing failure by a
+    supervisor of its own; a lasting one (the database refuses us) is ``failure``."""
+
+    def __init__(self, settings: Settings, mem: MemoryPipeline) -> None:
+        from ..postgres.worker import JobWorker, default_handlers  # the postgres extra
+
+        self.worker: JobWorker = JobWorker(settings, default_handlers(settings))
+        self.failure: PipelineFailedError | None = None
+        self.failed = asyncio.Event()
+        supervisor = Supervisor(backoff=Backoff(base_s=settings.commit_retry_base_s),
+                                conditions=mem.conditions, on_failure=self._on_failure,
+                                clock=mem.clock)
+        supervisor.add("jobs", self.worker.run)
+        self._task = asyncio.create_task(supervisor.run(), name="hermes-memory-jobs")
+
+    def _on_failure(self, error: PipelineFailedError) -> None:
+        if self.failure is None:
+            self.failure = error
+            self.failed.set()
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop taking jobs; those running are cancelled and given back."""
+        self._task.cancel()
+        await asyncio.wait({self._task}, timeout=max(1.0, timeout_s))
