@@ -98,6 +98,8 @@ class MemoryPipeline:
             self.store.replica = self.backend.name  # each commit queues its turns for it
             if self.backend.mirrors_kv:  # and its key-value writes
                 self.store.replica_kv = True
+            if self.backend.mirrors_templates:  # and its template records
+                self.store.replica_templates = True
         if s.tool_log:  # each commit logs its turns' tool calls
             self.store.tool_log = ToolLogConfig(s.tool_outcome_rules, s.tool_log_max_per_user,
                                                 s.tool_fix_window_s)

@@ -74,6 +74,8 @@ class Backend(abc.ABC):
     recalls: bool = False
     # Whether it keeps key-value memory too: every key-value write is then sent to it.
     mirrors_kv: bool = False
+    # Whether it keeps warm-start templates too: every template record is then sent to it.
+    mirrors_templates: bool = False
     # Whether watch() reports other processes' writes (a store shared by several machines).
     watches: bool = False
 
@@ -90,7 +92,8 @@ class Backend(abc.ABC):
         Records of other kinds come the same way (``Turn.kind``): a session's lifecycle
         events (``ops.OP_SESSION``: describe, end, delete, import) whenever the store has a
         replica, in the session's order; key-value writes when the backend mirrors
-        key-value memory. A backend that keeps no such thing takes them as written.
+        key-value memory; template records (``ops.OP_TEMPLATE``) when it mirrors
+        templates. A backend that keeps no such thing takes them as written.
 
         ``maybe_sent``: some of these turns may have reached the backend before (a retry
         whose outcome was unknown, a restart, a dead-letter replay); send only what it lacks.

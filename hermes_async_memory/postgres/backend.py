@@ -17,6 +17,11 @@ with no operation (the common case) is one phase.
 - **Counters** (messages, tool calls, tokens) mean what they mean in SQLite, and count only
   the turns this write inserted (the INSERT's ``RETURNING``): a batch sent again after an
   unknown outcome adds nothing.
+- **Tool calls.** The calls of the turns' messages are logged as SQLite logs them
+  (``derived.call_rows``, with ``Settings.tool_log``), staged beside the messages and
+  inserted by the same statement, joined to the messages it inserted: a resend logs
+  nothing. What SQLite does next in its commit (fixes, the per-user bound) is a shared job
+  per user (``derived``), queued in this transaction.
 - **seq.** A session's turns are numbered in the order they reach the database: the
   session's highest ``seq`` plus the turn's place among the session's turns of the write,
   under the session row's lock (taken first, by the sessions upsert, in id order so two
@@ -24,11 +29,13 @@ with no operation (the common case) is one phase.
   whose replicator sends its turns in its local commit order, which is their accept order:
   so ``seq`` is the accept order, whatever the machines' clocks say. (Two gateways writing
   one session at once are ordered by their commits here.) Reads order by ``(seq, ordinal)``.
-- **Operations** (session describe, end, delete, import; key-value put and delete) are
-  applied once each: the record's key goes into ``applied_records`` in the transaction that
-  applies it, and only when that insert took. A resent batch whose session delete was
-  applied before skips the turns of that session before the delete too: they were applied
-  then and the delete removed them; inserting them again would bring them back.
+- **Operations** (session describe, end, delete, import; key-value put and delete;
+  template put, delete, use and outcome: ``mirrors_templates``) are applied once each: the
+  record's key goes into ``applied_records`` in the transaction that applies it, and only
+  when that insert took. A resent batch whose session delete was applied before skips the
+  turns of that session before the delete too: they were applied then and the delete
+  removed them; inserting them again would bring them back. A template start or end that
+  moves a template's counts queues its stats job (``derived``).
 - **NUL.** PostgreSQL text cannot hold U+0000: it is stored as U+FFFD (the replacement
   character) in message text, so the batch never fails for it and the place stays visible.
   (JSON text, metadata and tool calls, holds it escaped, as ``\\u0000``, unchanged.)
@@ -78,11 +85,22 @@ from ..errors import (
     SchemaVersionError,
     describe,
 )
-from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, SessionOp, parse_op
+from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, SessionOp, TemplateOp, parse_op
+from ..procedural.extract import OutcomeRules
 from ..retry import Backoff
 from ..settings import Settings
+from ..templates.model import Template, normalize_tags
+from ..templates.outcome import examples_signature
 from ..turns import TURN, Turn, payload_rows, scope_token_for, scope_tokens
+from .derived import (
+    PROCEDURAL,
+    TEMPLATE_STATS,
+    call_rows,
+    procedural_job,
+    template_stats_job,
+)
 from .dsn import redact_dsn, settings_dsn
+from .jobs import JOBS_CHANNEL
 from .listen import Listener
 from .pool import close_pool, create_pool, database_errors
 from .recall import recall_block
@@ -93,16 +111,25 @@ from .statements import (
     DELETE_SESSION,
     DESCRIBE,
     END,
+    ENQUEUE_JOBS,
     IMPORT_MESSAGES,
     IMPORT_ROW,
     IMPORT_TARGET,
     INSERT_MESSAGES,
+    INSERT_MESSAGES_AND_CALLS,
     KV_DELETE,
     KV_PUT,
     LAST_SEQ,
     PRUNABLE,
     STAGE,
+    STAGE_CALL_COLUMNS,
+    STAGE_CALLS,
     STAGE_COLUMNS,
+    TEMPLATE_DELETE,
+    TEMPLATE_KEEP,
+    TEMPLATE_OUTCOME,
+    TEMPLATE_SAVE,
+    TEMPLATE_USE,
     UPSERT_SESSIONS,
 )
 
@@ -118,6 +145,9 @@ WRITES_CHANNEL = "hermes_writes"
 # NOTIFY refuses a payload of 8,000 bytes or more; past this the payload says "everyone".
 MAX_NOTIFY_BYTES = 7900
 NUL = "\x00"
+_DEFAULT_RULES = OutcomeRules()
+# A template's tags and document as the local store writes them (store.templates).
+_JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 NUL_STORED = "\ufffd"
 # While the database is known down, a recall tries it again at most this often (each try
 # may wait up to the connect time-out); the replicator's writes try on their own backoff.
@@ -139,6 +169,8 @@ class _Written:
     already: int = 0  # operations applied before
     users: set[str] = field(default_factory=set)
     sessions: set[str] = field(default_factory=set)  # of turns with no user
+    procedural: set[str] = field(default_factory=set)  # users whose calls were logged
+    templates: set[str] = field(default_factory=set)  # whose counts changed
 
     def add(self, other: _Written) -> None:
         self.inserted += other.inserted
@@ -147,6 +179,8 @@ class _Written:
         self.already += other.already
         self.users |= other.users
         self.sessions |= other.sessions
+        self.procedural |= other.procedural
+        self.templates |= other.templates
 
 
 class PostgresBackend(Backend):
@@ -156,6 +190,7 @@ class PostgresBackend(Backend):
     name = "postgres"
     recalls = True
     mirrors_kv = True
+    mirrors_templates = True
     watches = True
 
     def __init__(self, settings: Settings, *,
@@ -389,7 +424,20 @@ class PostgresBackend(Backend):
                 await self._write_turns(conn, phase.turns, written)
             for op in phase.ops:
                 await self._apply_op(conn, op, written)
+        await self._enqueue_derived(conn, written)
         return written
+
+    async def _enqueue_derived(self, conn: Conn, written: _Written) -> None:
+        """Queue the jobs of the work derived from what this transaction wrote (``derived``),
+        so they commit with it."""
+        s = self._settings
+        for kind, jobs in (
+                (PROCEDURAL, [procedural_job(u, s.tool_log_max_per_user, s.tool_fix_window_s)
+                              for u in sorted(written.procedural)]),
+                (TEMPLATE_STATS, [template_stats_job(n) for n in sorted(written.templates)])):
+            if jobs and await conn.fetchval(ENQUEUE_JOBS, kind, [k for k, _ in jobs],
+                                            [p for _, p in jobs]):
+                await conn.execute("SELECT pg_notify($1, $2)", JOBS_CHANNEL, kind)
 
     async def _without_deleted(self, conn: Conn, records: list[Turn], written: _Written
                                ) -> list[Turn]:
@@ -436,9 +484,19 @@ class PostgresBackend(Backend):
         await conn.execute(UPSERT_SESSIONS, ids, *(
             [sessions[i][k] for i in ids] for k in range(6)))
         await conn.execute("DELETE FROM hermes_stage")
-        await conn.copy_records_to_table("hermes_stage", records=stage_rows(turns),
-                                         columns=STAGE_COLUMNS)
-        inserted = {r["turn_key"] for r in await conn.fetch(INSERT_MESSAGES)}
+        calls: list[tuple[Any, ...]] | None = [] if self._settings.tool_log else None
+        calling: Counter[str] = Counter()  # calls per turn key
+        await conn.copy_records_to_table(
+            "hermes_stage", records=stage_rows(turns, calls, calling,
+                                                self._settings.tool_outcome_rules),
+            columns=STAGE_COLUMNS)
+        insert = INSERT_MESSAGES
+        if calls:
+            await conn.execute(STAGE_CALLS)
+            await conn.copy_records_to_table("hermes_stage_calls", records=calls,
+                                             columns=STAGE_CALL_COLUMNS)
+            insert = INSERT_MESSAGES_AND_CALLS
+        inserted = {r["turn_key"] for r in await conn.fetch(insert)}
         totals: dict[str, list[int]] = {}
         for t in turns:
             if t.key not in inserted:
@@ -449,6 +507,8 @@ class PostgresBackend(Backend):
                 written.users.add(t.user_id)
             else:
                 written.sessions.add(t.session_id)
+            if calling[t.key]:
+                written.procedural.add(t.user_id or "")
             total = totals.setdefault(t.session_id, [0, 0, 0, 0])
             total[0] += t.n_messages
             total[1] += t.tool_calls
@@ -483,7 +543,34 @@ class PostgresBackend(Backend):
             else:
                 written.sessions.add(op.session_id)
             await self._session_op(conn, op)
-        # A template write is the local store's alone (the replica outbox never queues one).
+        else:
+            await self._template_op(conn, op, written)
+
+    async def _template_op(self, conn: Conn, op: TemplateOp, written: _Written) -> None:
+        """A template record, as ``store.templates`` applies it in SQLite; a start or an
+        end that moves a template's counts queues its stats job (``derived``)."""
+        if op.action == "put":
+            t = Template.from_dict(op.document)
+            await conn.execute(
+                TEMPLATE_SAVE if op.mode == "save" else TEMPLATE_KEEP, op.name, t.task_type,
+                _JSON.encode(list(normalize_tags(t.tags))), t.description,
+                t.source_session_id, _JSON.encode(op.document),
+                examples_signature(t.examples), t.usage_count, t.successes, t.failures,
+                t.created_at, op.accepted_at, op.mode == "auto")
+            return
+        if op.action == "delete":
+            for statement in TEMPLATE_DELETE:
+                await conn.execute(statement, op.name)
+            return
+        if op.action == "use":
+            name = await conn.fetchval(TEMPLATE_USE, op.session_id, op.name, op.task_type,
+                                       op.accepted_at)
+        else:
+            name = await conn.fetchval(TEMPLATE_OUTCOME, op.session_id, op.task_type,
+                                       op.accepted_at, bool(op.ok), op.first_calls,
+                                       op.first_errors)
+        if name is not None:
+            written.templates.add(name)
 
     async def _session_op(self, conn: Conn, op: SessionOp) -> None:
         source = self._settings.source
@@ -592,35 +679,56 @@ class PostgresBackend(Backend):
 
 def phases(records: Sequence[Turn]) -> list[_Phase]:
     """``records`` in phases (module doc): phase p holds each lane's turns after its p-th
-    operation, and then each lane's (p+1)-th operation, in batch order."""
+    operation, and then each lane's (p+1)-th operation, in batch order.
+
+    A template record and a session's event (their lanes differ) may touch the same
+    session's warm-start row (a start, then the session's delete): of two such, the one
+    first in the batch goes in a phase no later than the other's, so first (within a phase,
+    operations go in batch order), as SQLite committed them."""
     out: list[_Phase] = []
-    seen: Counter[str] = Counter()  # operations seen so far, per lane
+    next_op: Counter[str] = Counter()  # per lane: the phase of its next operation, at least
+    last = {OP_SESSION: 0, OP_TEMPLATE: 0}  # the phase of the latest operation of each kind
     for t in records:
-        p = seen[t.session_id]
+        p = next_op[t.session_id]
+        if t.kind in last:
+            p = max(p, last[OP_TEMPLATE if t.kind == OP_SESSION else OP_SESSION])
+            last[t.kind] = max(last[t.kind], p)
         while len(out) <= p:
             out.append(_Phase())
         if t.kind == TURN:
             out[p].turns.append(t)
         else:
             out[p].ops.append(t)
-            seen[t.session_id] += 1
+            next_op[t.session_id] = p + 1
     return out
 
 
-def stage_rows(turns: Iterable[Turn]) -> list[tuple[Any, ...]]:
+def stage_rows(turns: Iterable[Turn], calls: list[tuple[Any, ...]] | None = None,
+               calling: Counter[str] | None = None, rules: OutcomeRules = _DEFAULT_RULES
+               ) -> list[tuple[Any, ...]]:
     """The staging rows of ``turns``' messages, in order, each with its turn's rank among
-    its session's turns here (1, 2, ...)."""
+    its session's turns here (1, 2, ...). With ``calls``, the staging rows of their tool
+    calls (``derived.call_rows``, judged by ``rules``) are added to it, and ``calling``
+    counts them per turn."""
     rows: list[tuple[Any, ...]] = []
     ranks: Counter[str] = Counter()
     for t in turns:
         ranks[t.session_id] += 1
         rank = ranks[t.session_id]
-        for (sid, key, ordinal, *texts, at, user, scope, metadata, tokens
-             ) in payload_rows(t.payload):
+        messages = payload_rows(t.payload)
+        for (sid, key, ordinal, *texts, at, user, scope, metadata, tokens) in messages:
             if t.has_nul:
                 texts = [_clean(v) for v in texts]
             rows.append((len(rows), sid, rank, key, ordinal, *texts, float(at), user, scope,
                          metadata, tokens))
+        if calls is not None and t.tool_calls:
+            found = call_rows(messages, rules)
+            if calling is not None:
+                calling[t.key] += len(found)
+            for row in found:
+                if t.has_nul:
+                    row = tuple(_clean(v) for v in row)
+                calls.append((len(calls), t.key, *row))
     return rows
 
 

@@ -27,6 +27,10 @@ machines writing one database need on top:
   database's clock (``postgres.jobs``).
 - **Recall job results** (version 3): a worker's answer to a gateway's queued recall, per
   (user, session) (``postgres.recall_jobs``).
+- **Derived work** (version 4): the tool calls a write logs wait (``pending``) for their
+  user's procedural job (fixes, the per-user bound); a template's counts are recounted by
+  its stats job from its sessions (those a delete detached left out) on top of the counts
+  it came with (``base_*``) (``postgres.derived``).
 
 Upgrades take a transaction-level advisory lock, so two processes upgrading at once apply
 each migration once: the second waits, then finds nothing to do. A migration and its
@@ -249,11 +253,23 @@ CREATE TABLE recall_results (
 );
 """
 
+# What the derived jobs (``postgres.derived``) need. Nothing wrote these tables before.
+DERIVED = """
+ALTER TABLE tool_calls ADD COLUMN pending boolean NOT NULL DEFAULT false;
+CREATE INDEX tool_calls_pending ON tool_calls (user_id, id) WHERE pending;
+ALTER TABLE templates ADD COLUMN base_usage bigint NOT NULL DEFAULT 0,
+    ADD COLUMN base_successes bigint NOT NULL DEFAULT 0,
+    ADD COLUMN base_failures bigint NOT NULL DEFAULT 0;
+ALTER TABLE template_sessions ADD COLUMN detached boolean NOT NULL DEFAULT false;
+CREATE INDEX template_sessions_template ON template_sessions (template) WHERE NOT detached;
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "sessions, messages, key-value memory, tool-call log, templates",
               CORE_TABLES),
     Migration(2, "shared jobs", JOBS),
     Migration(3, "recall job results", RECALL_RESULTS),
+    Migration(4, "derived work: pending tool calls, template base counts", DERIVED),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 assert [m.version for m in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1))

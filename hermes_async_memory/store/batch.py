@@ -13,7 +13,7 @@ from typing import Any
 from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE
 from ..turns import TURN, Turn, payload_rows
 from .lifecycle import session_statements
-from .memories import op_statements, ops_done
+from .memories import op_statements, ops_done, replica_statement
 from .sql import sql_literal
 from .templates import template_statements
 from .tool_log import ToolLogConfig, log_statements
@@ -221,14 +221,15 @@ class Batch:
         return sql_literal(self._session_json)
 
     def statements(self, *, replica: str | None, now: float, replica_kv: bool = False,
-                   tool_log: ToolLogConfig | None = None) -> list[str]:
+                   replica_templates: bool = False, tool_log: ToolLogConfig | None = None
+                   ) -> list[str]:
         """What the batch's transaction runs after inserting its messages: the replica
         outbox rows, the FTS index, the sessions, the tool-call log (when ``tool_log`` and
         some turn has tool calls), and the outbox keys marked 'done'; then
         the key-value records (with replica rows of their own when ``replica_kv``), the
         session lifecycle events (with replica rows of their own whenever there is a
-        ``replica``) and the template records (local only), each kind in batch order, and
-        their keys marked 'done'."""
+        ``replica``) and the template records (with replica rows of their own when
+        ``replica_templates``), each kind in batch order, and their keys marked 'done'."""
         # The batch's messages are the last n_messages rows once inserted: ids are
         # consecutive inside the transaction.
         start = f"((SELECT max(id) FROM messages) - {int(self.n_messages)})"
@@ -255,6 +256,8 @@ class Batch:
             templates = [t for t in self.ops if t.kind == OP_TEMPLATE]
             if templates:
                 script += template_statements(templates)
+                if replica is not None and replica_templates:
+                    script.append(replica_statement(templates, replica))
             script.append(ops_done(self.ops, now_sql))
         return script
 

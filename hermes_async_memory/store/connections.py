@@ -69,6 +69,8 @@ class Connections:
         self.replica: str | None = None
         # Whether key-value records go to that backend too (the Honcho key-value backend).
         self.replica_kv = False
+        # Whether template records go to that backend too (``Backend.mirrors_templates``).
+        self.replica_templates = False
         # What commits do with tool calls (procedural memory); None: they are not logged.
         # Set before open(): the writer connection registers its outcome function.
         self.tool_log: ToolLogConfig | None = None

@@ -103,6 +103,7 @@ class DeadLetters(Connections):
                 # inside a transaction executescript would first commit.
                 await db.executemany(INSERT_MESSAGE_ROW, batch.message_rows())
                 for text in batch.statements(replica=self.replica, replica_kv=self.replica_kv,
+                                             replica_templates=self.replica_templates,
                                              now=self.now(), tool_log=self.tool_log):
                     for statement in single_statements(text):
                         await db.execute(statement)

@@ -93,10 +93,15 @@ def op_statements(ops: Sequence[Turn], replica: str | None = None) -> list[str]:
     if puts:
         script.append(UPSERT_ENTRIES.format(rows=sql_literal(_ROWS.encode(puts))))
     if replica is not None:
-        rows = _ROWS.encode([[t.key, t.session_id, t.payload] for t in ops])
-        script.append(INSERT_OPS_REPLICA.format(backend=sql_literal(replica),
-                                                rows=sql_literal(rows)))
+        script.append(replica_statement(ops, replica))
     return script
+
+
+def replica_statement(ops: Sequence[Turn], replica: str) -> str:
+    """The statement that queues operations' records (of a kind the replica backend keeps,
+    in batch order) for ``replica``, each as it was written."""
+    rows = _ROWS.encode([[t.key, t.session_id, t.payload] for t in ops])
+    return INSERT_OPS_REPLICA.format(backend=sql_literal(replica), rows=sql_literal(rows))
 
 
 class Memories(Connections):

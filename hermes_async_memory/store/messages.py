@@ -56,6 +56,7 @@ class Messages(Connections):
         """
         db = self.writer
         script = batch.statements(replica=self.replica, replica_kv=self.replica_kv,
+                                   replica_templates=self.replica_templates,
                                    now=self.now(), tool_log=self.tool_log)
         script += batch.lease_statements()
         try:
