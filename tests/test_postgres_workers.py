@@ -340,13 +340,32 @@ async def test_a_sigkilled_worker_s_jobs_are_finished_once_by_another_after_its_
 async def test_the_worker_process_runs_jobs_beside_its_pipeline(
         tmp_path: Path, pg_dsn: str, pg_server: PostgresServer, db: Pool[Record],
         spawn: Spawn) -> None:
-    """``hermes-memory worker`` with backend "postgres" answers a queued recall job (its
-    result and NOTIFY), gives its counters at stop, exits 0, and shows no password."""
-    env = {"HERMES_MEMORY_BACKEND": "postgres", "HERMES_MEMORY_POSTGRES_DSN": pg_dsn}
+    """``hermes-memory worker`` with backend "postgres" runs the derived work a gateway's
+    write queued (its tool call stops being pending) and a queued recall job (its result
+    and NOTIFY), gives its counters at stop, exits 0, and shows no password."""
+    msgs: list[dict[str, Any]] = [
+            {"role": "user", "content": "build it"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function",
+                 "function": {"name": "terminal", "arguments": '{"command": "make"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"exit_code": 0}'},
+            {"role": "assistant", "content": "built"}]
+    async with MemoryPipeline(gateway(tmp_path, pg_dsn, "g")) as gw:
+        gw.sync_turn("build it", "built", session_id="s0", user_id="alice", messages=msgs)
+        await replicated(gw)
+    assert await db.fetchval("SELECT count(*) FROM tool_calls WHERE pending") == 1
+    [derived] = await db.fetch("SELECT id, kind FROM jobs")
+    assert derived["kind"] == "procedural"
+
+    # One job at a time, oldest first: the recall's answer comes after the derived job.
+    env = {"HERMES_MEMORY_BACKEND": "postgres", "HERMES_MEMORY_POSTGRES_DSN": pg_dsn,
+           "HERMES_MEMORY_POSTGRES_JOB_CONCURRENCY": "1"}
     worker = await spawn("-m", "workers", "--db", str(tmp_path / "w" / "memory.db"), env=env)
     await worker.until(lambda: any(
         rec.get("event") == "postgres_listening" and JOBS_CHANNEL in rec.get("channels", ())
         for rec in worker.logs), WAIT_S)
+    [started] = [rec for rec in worker.logs if rec.get("event") == "jobs_started"]
+    assert started["kinds"] == ["procedural", "recall", "template_stats"]
     answers: asyncio.Queue[str] = asyncio.Queue()
 
     def heard(_conn: Any, _pid: int, _channel: str, payload: object) -> None:
@@ -362,11 +381,13 @@ async def test_the_worker_process_runs_jobs_beside_its_pipeline(
     assert notice == {"origin": "gw", "user_id": "alice", "session_id": "s1"}
     row = await db.fetchrow("SELECT user_id, session_id, query FROM recall_results")
     assert row is not None and tuple(row) == ("alice", "s1", "lanterns")
+    assert await db.fetchval("SELECT count(*) FROM tool_calls WHERE pending") == 0
+    assert await db.fetchval("SELECT count(*) FROM jobs") == 0
 
     worker.signal(signal.SIGTERM)
     assert await worker.finish() == 0
     [stopped] = [rec for rec in worker.logs if rec.get("event") == "worker_stopped"]
-    assert stopped["jobs"]["completed"] == 1 and stopped["jobs"]["failed"] == 0
+    assert stopped["jobs"]["completed"] == 2 and stopped["jobs"]["failed"] == 0
     pg_server.assert_no_password(json.dumps(worker.logs) + worker.stdout)
 
 

@@ -105,10 +105,12 @@ def default_owner() -> str:
 
 def default_handlers(settings: Settings | None = None) -> dict[str, Handler]:
     """The handlers a worker process runs, by job kind: recall jobs
-    (``postgres.recall_jobs``), with ``settings``' recall options."""
+    (``postgres.recall_jobs``, with ``settings``' recall options) and the derived work
+    (``postgres.derived``: procedural patterns, template statistics)."""
+    from .derived import DERIVED_HANDLERS
     from .recall_jobs import RECALL_KIND, recall_handler  # it imports this module
 
-    return {RECALL_KIND: recall_handler(settings or Settings())}
+    return {**DERIVED_HANDLERS, RECALL_KIND: recall_handler(settings or Settings())}
 
 
 @dataclass(eq=False, slots=True)
