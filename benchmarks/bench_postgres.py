@@ -40,8 +40,15 @@ contender gets a database of its own, with the library's schema (``postgres.upgr
    ``WHERE search @@ q ORDER BY ts_rank(search, q) DESC LIMIT 5`` over all messages; it
    ranks every match, so it runs within a time budget and its sample count is printed.
 
-3. Write-to-visible latency across machines (gateway A writes, gateway B's prefetch sees
-   it): not measured yet; it goes in ``main`` where marked.
+3. Write-to-visible latency across machines: gateway A accepts a turn (``sync_turn``);
+   how long until gateway B's ``prefetch`` shows it, with no request of B's in between. Two
+   pipelines, each with its own SQLite file and its own connections, in this one process
+   (so both share its event loop, as they would not on two machines). Each sample is a new
+   user, for whom B has a cached block (its recall asked for the sample's word and found
+   nothing); the path: A's local commit, its replicator's write to PostgreSQL, the NOTIFY
+   at commit, B's LISTEN, B's refresh recall from PostgreSQL, B's cache. Baseline: the
+   database's own floor, an INSERT and NOTIFY committed by one client until a LISTENing
+   connection receives it.
 """
 
 from __future__ import annotations
@@ -54,12 +61,14 @@ import os
 import random
 import resource
 import sys
+import tempfile
 import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -89,7 +98,11 @@ from _common import (
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.backends.base import RecallRequest
 from hermes_async_memory.postgres import open_pool, upgrade
-from hermes_async_memory.postgres.backend import MAX_NOTIFY_BYTES, WRITES_CHANNEL
+from hermes_async_memory.postgres.backend import (
+    MAX_NOTIFY_BYTES,
+    WRITES_CHANNEL,
+    PostgresBackend,
+)
 from hermes_async_memory.postgres.recall import SNIPPET_SOURCE_CHARS, recall_block
 from hermes_async_memory.postgres.statements import (
     ADD_COUNTERS,
@@ -811,16 +824,95 @@ async def recall(server: PostgresServer, quick: bool) -> list[Result]:
         f"(n={s_base['n']})", f"{r50:,.0f}x / {r99:,.0f}x faster", "—", None)]
 
 
+# -- 3. write-to-visible across machines -----------------------------------------------------
+
+
+async def notify_floor(dsn: str, n: int) -> list[int]:
+    """Nanoseconds from a client's INSERT + NOTIFY (committed) to another connection's
+    LISTEN callback, ``n`` times."""
+    listener, writer = await asyncpg.connect(dsn), await asyncpg.connect(dsn)
+    got: asyncio.Queue[int] = asyncio.Queue()
+    try:
+        await writer.execute("CREATE TEMP TABLE floor (n int)")
+        await listener.add_listener("floor", lambda *_: got.put_nowait(now_ns()))
+        out = []
+        for i in range(n):
+            a = now_ns()
+            async with writer.transaction():
+                await writer.execute("INSERT INTO floor VALUES ($1)", i)
+                await writer.execute("SELECT pg_notify('floor', $1)", str(i))
+            out.append(await asyncio.wait_for(got.get(), 10) - a)
+    finally:
+        await listener.close()
+        await writer.close()
+    return out
+
+
+def recalled(mem: MemoryPipeline, user: str, session: str) -> bool:
+    return mem.prefetch_status(session_id=session, user_id=user).recall_query is not None
+
+
+def shows(mem: MemoryPipeline, user: str, session: str, word: str) -> bool:
+    return word in mem.prefetch(session_id=session, user_id=user)
+
+
+async def write_to_visible(server: PostgresServer, quick: bool) -> list[Result]:
+    n = 50 if quick else 300
+    print(f"\n3. write-to-visible across two gateways: {n} turns, each for a new user",
+          flush=True)
+    dsn = await new_database(server, "visible")
+    try:
+        floor = await notify_floor(dsn, n)
+        with tempfile.TemporaryDirectory(prefix="bench-visible-") as tmp:
+            folder = Path(tmp)
+            a = MemoryPipeline(Settings(db_path=folder / "a" / "memory.db",
+                                        backend="postgres", postgres_dsn=dsn))
+            b = MemoryPipeline(Settings(db_path=folder / "b" / "memory.db",
+                                        backend="postgres", postgres_dsn=dsn))
+            async with a, b:
+                watched = b.backend
+                assert isinstance(watched, PostgresBackend)
+                await b.wait_until(lambda: watched.listener is not None
+                                   and watched.listener.connected, timeout=60)
+                samples: list[int] = []
+                for i in range(n + 5):  # the first 5 warm up
+                    user, session, word = f"vis{i}", f"b{i}", f"beacon{i}x"
+                    b.queue_prefetch(f"where is {word}", session_id=session, user_id=user)
+                    await b.wait_until(partial(recalled, b, user, session), timeout=60)
+                    start = now_ns()
+                    a.sync_turn(f"the {word} is on the pier", "ok", session_id=f"a{i}",
+                                user_id=user)
+                    await b.wait_until(partial(shows, b, user, session, word), timeout=60)
+                    if i >= 5:
+                        samples.append(now_ns() - start)
+    finally:
+        await drop_database(server, dsn)
+    s_vis, s_floor = summary(samples), summary(floor)
+    cols = ("p50", "p90", "p99", "max", "mean")
+    print_table(["path", "n", *cols], [
+        ["gateway A sync_turn -> gateway B prefetch", s_vis["n"],
+         *(fmt_ns(s_vis[k]) for k in cols)],
+        ["INSERT + NOTIFY -> LISTEN (one client)", s_floor["n"],
+         *(fmt_ns(s_floor[k]) for k in cols)],
+    ])
+    return [Result(
+        "PostgreSQL write-to-visible across two gateways (p50 / p99)",
+        f"{fmt_ns(s_vis['p50'])} / {fmt_ns(s_vis['p99'])}",
+        f"INSERT+NOTIFY->LISTEN {fmt_ns(s_floor['p50'])} / {fmt_ns(s_floor['p99'])}",
+        f"{s_vis['p50'] / s_floor['p50']:,.0f}x / {s_vis['p99'] / s_floor['p99']:,.0f}x",
+        "—", None)]
+
+
 # -- main ----------------------------------------------------------------------------------
 
 
 async def main() -> list[Result]:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--only", choices=("throughput", "recall"), action="append",
+    p.add_argument("--only", choices=("throughput", "recall", "visible"), action="append",
                    help="run only this part (repeatable)")
     args = p.parse_args()
     quiet_logs()
-    parts = args.only or ["throughput", "recall"]
+    parts = args.only or ["throughput", "recall", "visible"]
     print(f"bench_postgres ({machine()}; library {library_version()})", flush=True)
     results: list[Result] = []
     with postgres_server() as server:
@@ -831,8 +923,8 @@ async def main() -> list[Result]:
             results += await throughput(server, args.quick)
         if "recall" in parts:
             results += await recall(server, args.quick)
-        # 3. Write-to-visible latency across machines (gateway A writes, gateway B's
-        #    prefetch sees it), p50 / p99: to be added here, on the same server.
+        if "visible" in parts:
+            results += await write_to_visible(server, args.quick)
     for r in results:
         if r.met is not None:
             print(f"{r.benchmark}: {r.ratio} (goal {r.goal}): {r.verdict}")
