@@ -1,6 +1,9 @@
 """Many gateways, one memory: three gateway processes (tests/pg_gateway.py), each with its
 own SQLite file, and two worker processes share one PostgreSQL database.
 
+The gateways' recalls are shared jobs (``postgres_recall_jobs``) that the two workers
+claim and answer.
+
 Invariants, checked on every turn and every key-value write: each is stored in PostgreSQL
 exactly once; each session's turns are in the order its gateway accepted them; each user's
 recall, through any gateway, sees what every gateway wrote for that user and nothing of
@@ -37,7 +40,7 @@ async def test_three_gateways_and_two_workers_share_one_database(
                for i in range(2)]
     gateways = [await spawn("-m", "tests.pg_gateway", g, str(tmp_path / g / "memory.db"),
                             ",".join(USERS), str(SESSIONS), str(TURNS),
-                            env=env,
+                            env={**env, "HERMES_MEMORY_POSTGRES_RECALL_JOBS": "1"},
                             stdin=True)
                 for g in GATEWAYS]
     for gw in gateways:
@@ -51,6 +54,12 @@ async def test_three_gateways_and_two_workers_share_one_database(
     for w in workers:
         w.signal(signal.SIGTERM)
         assert await w.finish(TIMEOUT_S) == 0
+    # The gateways' recalls were shared jobs: the two workers answered all of them (each
+    # gateway asks one per user and gateway), and each a job once.
+    done = [(await w.log_line("worker_stopped"))["jobs"] for w in workers]
+    asked = len(GATEWAYS) * len(USERS) * len(GATEWAYS)
+    assert sum(d["completed"] for d in done) >= asked
+    assert all(d["leases_lost"] == 0 and d["dead"] == 0 for d in done)
 
     conn = await asyncpg.connect(pg_dsn)
     try:
