@@ -72,11 +72,13 @@ ON CONFLICT (user_id, session_id) DO UPDATE SET
     query = EXCLUDED.query, block = EXCLUDED.block, origin = EXCLUDED.origin,
     created_at = now()
 """
+# A gateway takes its answers: read once, they go (the table holds only answers not yet
+# taken, rather than a row for every session ever recalled).
 READ_RESULTS = """
-SELECT r.user_id, r.session_id, r.query, r.block
-FROM recall_results r
-JOIN unnest($1::text[], $2::text[]) AS k(user_id, session_id)
-  ON r.user_id = k.user_id AND r.session_id = k.session_id
+DELETE FROM recall_results r
+USING unnest($1::text[], $2::text[]) AS k(user_id, session_id)
+WHERE r.user_id = k.user_id AND r.session_id = k.session_id AND r.origin = $3
+RETURNING r.user_id, r.session_id, r.query, r.block
 """
 
 
@@ -282,7 +284,7 @@ class JobRecaller:
         async with database_errors(self._dsn):
             with anyio.fail_after(READ_TIMEOUT_S):
                 rows = await pool.fetch(READ_RESULTS, [u or "" for u, _ in wanted],
-                                        [s for _, s in wanted])
+                                        [s for _, s in wanted], self.origin)
         for row in rows:
             await self._apply(row)
         self._changed()
