@@ -23,6 +23,15 @@ Fault injection (all thread-safe, set from the test's thread):
 - ``hang_after_commit(times)``: the next add_messages calls store the messages, then hold the
   response until the client has long given up (``hang_s``, or ``release_hangs()``).
 - ``fail_after_commit(times)``: store the messages, then answer 500.
+- ``hold_writes(times)``: the next add_messages calls wait on the server before they store
+  anything, as behind a locked messages table, whether or not their client is still there
+  (the real server does not abort a request whose client disconnected); they commit when the
+  test releases them (``Hold.release()``, or after ``hold_s``), or are dropped with nothing
+  stored (``Hold.lose()``). The returned ``Hold`` tells the test, by thread-safe waits, when
+  the requests reached the server and when they committed.
+- Like the real server, the writes of one session (add_messages, update_session,
+  delete_session) run one after the other, in the order they arrived: a request that comes
+  while an earlier one of its session is held waits behind it, and then commits too.
 - ``refuse_content(marker)``: a batch holding a message whose content contains ``marker`` is
   refused with a 422 and nothing of it is stored.
 - ``down()`` / ``up()``: close the listening socket (connections are refused) and reopen it
@@ -43,7 +52,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -169,6 +178,112 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+class Hold:
+    """add_messages requests the server holds before storing them (``FakeHoncho.hold_writes``).
+
+    The server side waits in ``wait()``; the test's side decides (``release()``, ``lose()``)
+    and waits, from any thread, for the requests to arrive or commit (``wait_received``,
+    ``wait_committed``). Each count is of held requests only.
+    """
+
+    def __init__(self, times: int | None, hold_s: float, session: str | None = None) -> None:
+        self._left = times  # requests still to take; None: all until decided
+        self.hold_s = hold_s
+        self.session = session  # only this session's requests (None: any)
+        self._cond = threading.Condition()
+        self._decided: bool | None = None  # True: commit, False: drop
+        self._waiting: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self.received = 0
+        self.committed = 0
+        self.lost = 0
+        self.arrivals: list[float] = []  # time.monotonic() at which each one arrived
+
+    def take(self, session: str) -> bool:
+        """Whether the request to ``session`` that just arrived is held (its arrival is
+        counted)."""
+        with self._cond:
+            if self._decided is not None or self._left == 0:
+                return False
+            if self.session is not None and session != self.session:
+                return False
+            if self._left is not None:
+                self._left -= 1
+            self.received += 1
+            self.arrivals.append(time.monotonic())
+            self._cond.notify_all()
+            return True
+
+    def exhausted(self) -> bool:
+        with self._cond:
+            return self._decided is not None or self._left == 0
+
+    async def wait(self) -> bool:
+        """On the server: until the test decides (or ``hold_s`` passes, which commits);
+        whether to commit."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            if self._decided is None:
+                self._waiting.append((loop, fut))
+            else:
+                fut.set_result(None)
+        try:
+            await asyncio.wait_for(fut, self.hold_s)
+        except asyncio.TimeoutError:
+            return True
+        with self._cond:
+            return self._decided is not False
+
+    def done(self, committed: bool) -> None:
+        """On the server: the held request stored its messages, or was dropped."""
+        with self._cond:
+            if committed:
+                self.committed += 1
+            else:
+                self.lost += 1
+            self._cond.notify_all()
+
+    def release(self) -> None:
+        """Every held request commits now, and the ones still to come pass through."""
+        self._decide(True)
+
+    def lose(self) -> None:
+        """Every held request is dropped, nothing of it stored (the server failed it)."""
+        self._decide(False)
+
+    def _decide(self, commit: bool) -> None:
+        with self._cond:
+            if self._decided is None:
+                self._decided = commit
+            waiting, self._waiting = self._waiting, []
+        for loop, fut in waiting:
+            try:
+                loop.call_soon_threadsafe(_resolve, fut)
+            except RuntimeError:  # that server's loop is gone already
+                pass
+
+    def wait_received(self, n: int = 1, timeout_s: float = 30.0) -> None:
+        """Until ``n`` held requests have reached the server (a thread's wait).
+
+        Raises:
+            TimeoutError: not within ``timeout_s``.
+        """
+        self._wait_for(lambda: self.received >= n, timeout_s, f"{n} held requests")
+
+    def wait_committed(self, n: int = 1, timeout_s: float = 30.0) -> None:
+        """Until ``n`` held requests have stored their messages (a thread's wait).
+
+        Raises:
+            TimeoutError: not within ``timeout_s``.
+        """
+        self._wait_for(lambda: self.committed >= n, timeout_s, f"{n} held commits")
+
+    def _wait_for(self, check: Any, timeout_s: float, what: str) -> None:
+        with self._cond:
+            if not self._cond.wait_for(check, timeout_s):
+                raise TimeoutError(f"not within {timeout_s} s: {what}")
+
+
 def _now_iso() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat()
 
@@ -187,12 +302,14 @@ class FakeHoncho:
     """An in-memory Honcho on 127.0.0.1. Use as a context manager, or start()/stop()."""
 
     def __init__(self, *, api_key: str | None = None, latency_s: float = 0.0,
-                 hang_s: float = 30.0, port: int = 0) -> None:
+                 hang_s: float = 30.0, hold_s: float = 30.0, port: int = 0) -> None:
         self.api_key = api_key
         self.hang_s = hang_s
+        self.hold_s = hold_s
         self.port = port
         self._lock = threading.Lock()
         self._hangs: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._ended = threading.Condition()  # notified as each request ends
         self.in_flight = 0
         self.reset()
         self.latency_s = latency_s
@@ -224,6 +341,7 @@ class FakeHoncho:
         sock.bind(("127.0.0.1", self.port))
         self.port = sock.getsockname()[1]
         started = threading.Event()
+        self._session_locks: dict[tuple[str, str], asyncio.Lock] = {}  # for the new loop
         config = uvicorn.Config(self, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=1, backlog=1024)
         server = _Server(config, started)
@@ -237,6 +355,7 @@ class FakeHoncho:
     def stop(self) -> None:
         """Stop serving; the port refuses connections until ``start()``/``up()``."""
         self.release_hangs()
+        self.release_holds()
         server, thread = self._server, self._thread
         self._server = self._thread = None
         if server is not None and thread is not None:
@@ -266,9 +385,12 @@ class FakeHoncho:
             self._refused: set[str] = set()
             self._hang_next = 0
             self._fail_after_commit = 0
+            holds, self._holds = getattr(self, "_holds", deque()), deque()
             self.route_delays: dict[str, float] = {}
             self.latency_s = 0.0
         self.release_hangs()
+        for hold in holds:
+            hold.release()
 
     # -- faults --------------------------------------------------------------------------
 
@@ -290,6 +412,23 @@ class FakeHoncho:
     def fail_after_commit(self, times: int = 1) -> None:
         with self._lock:
             self._fail_after_commit += times
+
+    def hold_writes(self, times: int | None = 1, *, session: str | None = None,
+                    hold_s: float | None = None) -> Hold:
+        """The next ``times`` add_messages calls (None: all, until decided), to ``session``
+        or to any, are held on the server before they store anything; see ``Hold``. Holds
+        made one after the other take the requests in turn."""
+        hold = Hold(times, self.hold_s if hold_s is None else hold_s, session)
+        with self._lock:
+            self._holds.append(hold)
+        return hold
+
+    def release_holds(self) -> None:
+        """Every held request commits (a test that ended, or the server stopping)."""
+        with self._lock:
+            holds = list(self._holds)
+        for hold in holds:
+            hold.release()
 
     def refuse_content(self, marker: str) -> None:
         with self._lock:
@@ -346,6 +485,17 @@ class FakeHoncho:
         with self._lock:
             return [status for _, r, status in self.requests if r == route]
 
+    def wait_until(self, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        """Until ``check()`` holds, tried now and as each request ends (a thread's wait;
+        ``check`` may use the inspection methods).
+
+        Raises:
+            TimeoutError: not within ``timeout_s``.
+        """
+        with self._ended:
+            if not self._ended.wait_for(check, timeout_s):
+                raise TimeoutError(f"not within {timeout_s} s")
+
     def route_times(self, route: str) -> list[float]:
         with self._lock:
             return [t for t, r, _ in self.requests if r == route]
@@ -390,6 +540,8 @@ class FakeHoncho:
             with self._lock:
                 self.in_flight -= 1
                 self.requests.append((time.monotonic(), route, status_box[0]))
+            with self._ended:
+                self._ended.notify_all()
 
     def _authorized(self, scope: Scope) -> bool:
         want = f"Bearer {self.api_key}".encode()
@@ -412,6 +564,17 @@ class FakeHoncho:
             await asyncio.wait_for(fut, self.hang_s)
         except asyncio.TimeoutError:
             pass
+
+    def _writes_of(self, workspace: str, session: str) -> asyncio.Lock:
+        """The lock that runs one session's writes one after the other (server loop only;
+        asyncio's lock is fair, so they run in the order they arrived)."""
+        return self._session_locks.setdefault((workspace, session), asyncio.Lock())
+
+    def _take_hold(self, session: str) -> Hold | None:
+        with self._lock:
+            for hold in [h for h in self._holds if h.exhausted()]:
+                self._holds.remove(hold)  # taken its share, or decided
+            return next((h for h in self._holds if h.take(session)), None)
 
     # -- the state (call with the lock held) ---------------------------------------------
 
@@ -504,23 +667,25 @@ class FakeHoncho:
                                  body: SessionUpdate) -> Any:
             # As the real server (crud.update_session): get-or-create the session, then
             # replace its metadata and merge its configuration, when given.
-            with fake._lock:
-                try:
-                    s = fake._session(workspace_id, session_id, metadata=body.metadata)
-                except FilterError as exc:
-                    return unprocessable(exc)
-                if body.configuration is not None:
-                    s["configuration"] = {**s["configuration"], **body.configuration}
-                return fake._session_out(s)
+            async with fake._writes_of(workspace_id, session_id):
+                with fake._lock:
+                    try:
+                        s = fake._session(workspace_id, session_id, metadata=body.metadata)
+                    except FilterError as exc:
+                        return unprocessable(exc)
+                    if body.configuration is not None:
+                        s["configuration"] = {**s["configuration"], **body.configuration}
+                    return fake._session_out(s)
 
         @app.delete(ws_prefix + "/sessions/{session_id}", name="delete_session")
         async def delete_session(workspace_id: str, session_id: str) -> Any:
             # As the real server (crud.delete_session): a hard delete of the session with its
             # messages and its peers' membership; 404 for a session it does not have.
-            with fake._lock:
-                if fake.sessions.pop((workspace_id, session_id), None) is None:
-                    return not_found("Session")
-                fake.messages.pop((workspace_id, session_id), None)
+            async with fake._writes_of(workspace_id, session_id):
+                with fake._lock:
+                    if fake.sessions.pop((workspace_id, session_id), None) is None:
+                        return not_found("Session")
+                    fake.messages.pop((workspace_id, session_id), None)
             return {"message": "Session deleted successfully"}
 
         @app.post(ws_prefix + "/sessions/{session_id}/peers", name="add_peers")
@@ -575,29 +740,38 @@ class FakeHoncho:
                         return _validation_422(["body", "messages", i, "content"],
                                                "Value error, content refused by the server",
                                                m.content[:80])
-                peers = {m.peer_id: SessionPeerConfig() for m in body.messages}
-                try:
-                    existing = fake.sessions.get((workspace_id, session_id))
-                    known = set(existing["peers"]) if existing else set()
-                    fake._session(workspace_id, session_id,
-                                  {p: c for p, c in peers.items() if p not in known})
-                except FilterError as exc:
-                    return unprocessable(exc)
-                stored = fake.messages[(workspace_id, session_id)]
-                out = []
-                for m in body.messages:
-                    created = (m.created_at or dt.datetime.now(dt.timezone.utc)).isoformat()
-                    row = {"id": secrets.token_urlsafe(15)[:21], "content": m.content,
-                           "peer_id": m.peer_id, "session_id": session_id,
-                           "metadata": dict(m.metadata or {}), "created_at": created,
-                           "workspace_id": workspace_id,
-                           "token_count": max(1, len(m.content.split()))}
-                    stored.append(row)
-                    out.append(dict(row))
-                hang = fake._hang_next > 0
-                fake._hang_next -= hang
-                fail_after = not hang and fake._fail_after_commit > 0
-                fake._fail_after_commit -= fail_after
+            hold = fake._take_hold(session_id)
+            async with fake._writes_of(workspace_id, session_id):
+                if hold is not None and not await hold.wait():
+                    hold.done(committed=False)
+                    return JSONResponse({"detail": "held request dropped"}, status_code=500)
+                with fake._lock:
+                    peers = {m.peer_id: SessionPeerConfig() for m in body.messages}
+                    try:
+                        existing = fake.sessions.get((workspace_id, session_id))
+                        known = set(existing["peers"]) if existing else set()
+                        fake._session(workspace_id, session_id,
+                                      {p: c for p, c in peers.items() if p not in known})
+                    except FilterError as exc:
+                        return unprocessable(exc)
+                    stored = fake.messages[(workspace_id, session_id)]
+                    out = []
+                    for m in body.messages:
+                        created = (m.created_at or dt.datetime.now(dt.timezone.utc)).isoformat()
+                        row = {"id": secrets.token_urlsafe(15)[:21], "content": m.content,
+                               "peer_id": m.peer_id, "session_id": session_id,
+                               "metadata": dict(m.metadata or {}), "created_at": created,
+                               "workspace_id": workspace_id,
+                               "token_count": max(1, len(m.content.split()))}
+                        stored.append(row)
+                        out.append(dict(row))
+                    hang = fake._hang_next > 0
+                    fake._hang_next -= hang
+                    fail_after = not hang and fake._fail_after_commit > 0
+                    fake._fail_after_commit -= fail_after
+                if hold is not None:
+                    hold.done(committed=True)
+            # Committed: the session's next write may run while this answer is held or fails.
             if hang:
                 await fake._hang()
             if fail_after:
