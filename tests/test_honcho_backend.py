@@ -82,7 +82,7 @@ async def make_backend(fake: FakeHoncho) -> AsyncIterator[MakeBackend]:
         values: dict[str, Any] = dict(
             base_url=fake.base_url, workspace_id=WORKSPACE, request_timeout_s=5.0,
             backoff_base_s=0.01, backoff_max_s=0.04, max_attempts=5,
-            breaker_failures=50, breaker_cooldown_s=30.0)
+            breaker_failures=50, breaker_cooldown_s=30.0, max_inflight_s=0.3)
         values.update(changes)
         kwargs: dict[str, Any] = {}
         if sleep is not None:
@@ -485,6 +485,37 @@ async def test_the_circuit_opens_fails_fast_and_recovers(
     assert backend.breaker.state == "closed" and backend.breaker.opened == 2
     assert stored(fake, "s1") == expected([turn("s1", 0), turn("s1", 1)])
     assert all(stored(fake, f"s{i}") == expected([turn(f"s{i}", 0)]) for i in range(2, 12))
+    # s1's turn 1 failed in three writes and s2's turn 0 in one: two turns failed.
+    assert backend.stats()["turns_failed"] == 2
+
+
+async def test_a_turn_that_fails_in_several_writes_counts_as_one_failed_turn(
+        fake: FakeHoncho, make_backend: MakeBackend) -> None:
+    """turns_failed counts turns, not attempts or writes: two turns that fail in three writes
+    of two attempts each count 2; written at the fourth, they still count 2 (they did fail),
+    and a turn that fails afterwards counts once more. (The fourth write, which says they may
+    have been sent, need not wait out the in-flight time since the backend started: they came
+    to it as new turns, so no earlier run sent them.)"""
+    backend = make_backend(max_attempts=2, max_inflight_s=60.0)
+    await backend.write([turn("s1", 0)])
+    turns = [turn("s1", 1), turn("s1", 2)]
+    fake.fail("add_messages", times=6, status=503)
+    for _ in range(3):
+        with anyio.fail_after(10), pytest.raises(HonchoWriteError) as info:
+            await backend.write(turns)
+        assert info.value.failed_keys == {t.key for t in turns}
+    assert fake.calls["add_messages"] == 1 + 6
+    assert backend.stats()["turns_failed"] == 2
+    with anyio.fail_after(10):
+        await backend.write(turns, maybe_sent=True)
+    assert stored(fake, "s1") == expected([turn("s1", 0), *turns])
+    stats = backend.stats()
+    assert (stats["turns_written"], stats["turns_failed"], stats["inflight_waits"]) == (3, 2, 0)
+
+    fake.fail("add_messages", times=2, status=503)
+    with anyio.fail_after(10), pytest.raises(HonchoWriteError):
+        await backend.write([turn("s1", 3)])
+    assert backend.stats()["turns_failed"] == 3
 
 
 async def test_a_replay_sends_only_what_the_server_lacks(

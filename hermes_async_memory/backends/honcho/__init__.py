@@ -10,7 +10,8 @@ Honcho and may answer recalls from it. One module per concern, in the order a tu
 - ``client``: the SDK client; every call through the breaker, its errors sorted into
   retry or give up, retries with backoff (``Retry-After`` honoured);
 - ``replication``: ``write``, per session in order, batches of at most 100 messages, exactly
-  once (a resend first asks what the server holds), refused batches bisected;
+  once (a resend first waits out the server's in-flight time, then asks what it holds),
+  refused batches bisected;
 - ``recall``: one source per ``recall_mode``, under a deadline, the local store as fallback;
 - ``backend``: ``HonchoBackend``, which puts them together.
 

@@ -23,8 +23,8 @@ from .replication import COUNTERS, SessionWriter
 class HonchoBackend(Backend):
     """Replicates committed turns to Honcho and answers recalls from it (see the package doc).
 
-    ``clock``, ``sleep`` and ``rng`` are the breaker's clock, the backoff's sleep and its
-    jitter source; tests pass their own.
+    ``clock``, ``sleep`` and ``rng`` are the breaker's and the in-flight wait's clock, the
+    backoff's and that wait's sleep, and the backoff's jitter source; tests pass their own.
     """
 
     name = "honcho"
@@ -42,7 +42,8 @@ class HonchoBackend(Backend):
         self.mapper = Mapper(config)
         self.client = HonchoClient(config, self.mapper.workspace, clock=clock, sleep=sleep,
                                    rng=rng or random.Random())
-        self._writer = SessionWriter(config, self.client, self.mapper)
+        self._writer = SessionWriter(config, self.client, self.mapper, clock=clock,
+                                     sleep=sleep)
         self._recaller = Recaller(config, self.client, self.mapper)
 
     def __repr__(self) -> str:
@@ -98,7 +99,8 @@ class HonchoBackend(Backend):
     # -- stats ---------------------------------------------------------------------------
 
     def stats(self) -> dict[str, object]:
-        """Counters for a dashboard: calls by route, retries, dedupe checks, failures."""
+        """Counters for a dashboard: calls by route, retries, dedupe checks, failures (each
+        failing record once: see ``replication.COUNTERS``)."""
         calls = self.client.calls
         return {
             "http_calls": sum(calls.values()),

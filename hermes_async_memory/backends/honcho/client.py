@@ -38,6 +38,7 @@ T = TypeVar("T")
 
 _MAX_REASON_CHARS = 500
 RETRY_AFTER_JITTER = 0.1  # share of a Retry-After added at random
+GATEWAY_TIMEOUT = 504
 
 
 @functools.cache
@@ -86,11 +87,16 @@ class CircuitOpenError(HonchoWriteError, BackendUnavailableError):
 class CallRetry(Exception):
     """A call failed in a way another attempt may fix."""
 
-    def __init__(self, reason: str, *, unknown: bool, retry_after: float | None = None):
+    def __init__(self, reason: str, *, unknown: bool, retry_after: float | None = None,
+                 in_flight: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.unknown = unknown  # the request may have been applied
         self.retry_after = retry_after
+        # The request may still be running on the server, and commit later: no answer came
+        # (a timeout, the connection lost after sending, a gateway's 504). Honcho does not
+        # abort a request whose client went away.
+        self.in_flight = in_flight
 
 
 class CallFailed(Exception):
@@ -256,13 +262,17 @@ def classify(exc: Any, honcho_sdk: Any) -> tuple[CallRetry | CallFailed, bool]:
     if isinstance(exc, (honcho_sdk.AuthenticationError, honcho_sdk.PermissionDeniedError)):
         # Not the turns' fault, and no retry fixes it now: fail, and let the breaker open.
         return CallFailed(reason, permanent=False), False
-    if isinstance(exc, honcho_sdk.ServerError):  # a 5xx may come after the server committed
-        return CallRetry(reason, unknown=True), False
+    if isinstance(exc, honcho_sdk.ServerError):
+        # A 5xx may come after the server committed. The server is done with the request,
+        # except behind a gateway that gave up waiting for it (504).
+        return CallRetry(reason, unknown=True,
+                         in_flight=exc.status == GATEWAY_TIMEOUT), False
     if isinstance(exc, (honcho_sdk.TimeoutError, honcho_sdk.ConnectionError)):
-        return CallRetry(reason, unknown=not _never_sent(exc)), False
+        sent = not _never_sent(exc)
+        return CallRetry(reason, unknown=sent, in_flight=sent), False
     if isinstance(exc, honcho_sdk.APIError) and 400 <= exc.status < 500:
         return CallFailed(reason, permanent=True), True
-    return CallRetry(reason, unknown=True), False
+    return CallRetry(reason, unknown=True, in_flight=True), False
 
 
 def _never_sent(exc: BaseException) -> bool:

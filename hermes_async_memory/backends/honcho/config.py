@@ -55,6 +55,11 @@ class HonchoConfig:
     backoff_base_s: float = 0.25
     backoff_max_s: float = 8.0
     retry_after_max_s: float = 60.0  # a longer Retry-After fails the batch instead of waiting
+    # The longest the server may still run a request after its client gave up, counted from
+    # when the client sent it (Honcho does not abort a request whose client disconnected;
+    # about 10 s for Honcho 3.0.x). A batch whose outcome is unknown is not checked and sent
+    # again before then; nor, after a start, is anything an earlier run may have sent.
+    max_inflight_s: float = 10.0
     breaker_failures: int = 5  # consecutive failed calls that open the circuit
     breaker_cooldown_s: float = 30.0
     max_message_chars: int = MAX_MESSAGE_CHARS  # longer contents are split across messages
@@ -74,7 +79,7 @@ class HonchoConfig:
                 raise ConfigurationError(f"{name} must be a positive integer, got {value!r}")
         positive = ("request_timeout_s", "recall_deadline_s")
         non_negative = ("backoff_base_s", "backoff_max_s", "retry_after_max_s",
-                        "breaker_cooldown_s")
+                        "breaker_cooldown_s", "max_inflight_s")
         for name in positive + non_negative:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (

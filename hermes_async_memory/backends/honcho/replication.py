@@ -8,9 +8,29 @@ across concurrent ``write`` calls, which run in the order they were made.
 Exactly once. Each message carries its turn's idempotency key and its index within the turn
 in ``metadata`` (see ``mapping``). Before a batch whose outcome is unknown (a timeout, a
 connection dropped after sending, a 5xx) is sent again, the session's messages are listed with
-a metadata filter on those keys and only the missing ones are sent. (The server has no
-idempotency keys of its own, so a request still running on the server when the check runs can
-still land twice; the backoff before the check makes that window small, not empty.)
+a metadata filter on those keys and only the missing ones are sent; so before each resend.
+
+The server has no idempotency keys of its own, does not abort a request whose client went
+away, and runs a session's writes one after the other: a request still running there when the
+check runs is missed by it, commits later, and the resend queued behind it commits too. So a
+check first waits until no request of its session can still be running:
+
+- ``max_inflight_s`` after the last one sent to it that got no answer (a timeout, a connection
+  lost after sending, a gateway's 504, a write cancelled while its request was out);
+- in a write that says its turns may have been sent before (``maybe_sent``), also
+  ``max_inflight_s`` after this writer started, for an earlier run's requests; not when each
+  of the session's turns there first failed here, in a write of new turns.
+
+That holds as long as the server keeps to ``max_inflight_s``. A 5xx the server sent itself
+means it is done with the request: the check runs after the usual backoff.
+
+Waiting. The session waits in its lane, so its order holds; the other sessions of the same
+write go on in theirs. ``write`` returns once every lane is done, so its caller's next write
+(the replicator sends one at a time) waits for it: up to ``max_inflight_s`` more per unknown
+outcome. A lane that waits keeps its share of ``write_concurrency``: while a struggling server
+times requests out, that keeps new sessions from adding to its load. The wait is cancellable:
+a shutdown does not wait for it; the turns stay with the caller, whose next write
+(``maybe_sent``) checks first, after the wait.
 
 Failures. A batch the server refuses (422, 400, 413) is split in halves until the refused turn
 is alone; the other turns are written, in order, and the turn fails with the server's reason.
@@ -34,9 +54,10 @@ batch does.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +85,17 @@ log = structlog.get_logger(__name__)
 MAX_MESSAGES_PER_CALL = 100
 LIST_PAGE_SIZE = 100
 _KEYS_PER_LISTING = 50  # turn keys per metadata filter when checking what the server holds
-COUNTERS = ("turns_written", "turns_failed", "dedupe_checks", "resend_skipped", "bisections")
+# turns_written: records written (or found on the server by a check), each once.
+# turns_failed: records a write could not deliver, each counted once, at its first failure:
+#   its failures in later writes (a turn failing in 3 writes, or held back by the open circuit
+#   again and again) add nothing until it has been written; one that fails again after that,
+#   or after FAILED_REMEMBERED other failing records, counts again.
+# dedupe_checks: listings of what the server holds before a resend; inflight_waits: how often
+#   a check first waited out max_inflight_s; resend_skipped: messages a check found there.
+COUNTERS = ("turns_written", "turns_failed", "dedupe_checks", "inflight_waits",
+            "resend_skipped", "bisections")
+FAILED_REMEMBERED = 20_000  # failing records remembered so as to count each once
+_INFLIGHT_PRUNE_AT = 1_024  # sessions with a request maybe in flight, before expired ones go
 
 
 @dataclass(slots=True)
@@ -114,13 +145,26 @@ class _LRU:
 
 
 class SessionWriter:
-    """Writes turns to Honcho through ``client``, per session in order (see the module doc)."""
+    """Writes turns to Honcho through ``client``, per session in order (see the module doc).
 
-    def __init__(self, config: HonchoConfig, client: HonchoClient, mapper: Mapper) -> None:
+    ``clock`` and ``sleep`` time the wait for requests that may still be in flight."""
+
+    def __init__(self, config: HonchoConfig, client: HonchoClient, mapper: Mapper, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = anyio.sleep) -> None:
         self.config = config
         self.client = client
         self.mapper = mapper
         self.counts: Counter[str] = Counter()
+        self._clock = clock
+        self._sleep = sleep
+        self._started = clock()  # an earlier run's requests were all sent before this
+        # Honcho session -> when the last request sent to it whose outcome is unknown can no
+        # longer commit on the server.
+        self._in_flight: dict[str, float] = {}
+        # The keys counted in turns_failed, each with whether it first came in a write that
+        # said it was never sent before (so no earlier run can have it in flight).
+        self._failing: OrderedDict[str, bool] = OrderedDict()
         self._ready = False
         self._ready_lock = anyio.Lock()
         self._limiter = anyio.CapacityLimiter(config.write_concurrency)
@@ -141,10 +185,10 @@ class SessionWriter:
         started = time.perf_counter()
         calls_before = sum(self.client.calls.values())
         if self.client.breaker.is_open():
-            self.counts["turns_failed"] += len(turns)
-            raise CircuitOpenError(
-                [TurnFailure(t.key, t.session_id, CIRCUIT_OPEN, False, attempted=False)
-                 for t in turns], written=0)
+            held = [TurnFailure(t.key, t.session_id, CIRCUIT_OPEN, False, attempted=False)
+                    for t in turns]
+            self._count_failed(held, fresh=not maybe_sent)
+            raise CircuitOpenError(held, written=0)
         groups: dict[str, list[Turn]] = {}
         for t in turns:
             groups.setdefault(t.session_id, []).append(t)
@@ -166,7 +210,10 @@ class SessionWriter:
                 if self._lanes.get(lane.session_id) is lane.done:
                     del self._lanes[lane.session_id]
         self.counts["turns_written"] += outcome.written
-        self.counts["turns_failed"] += len(outcome.failures)
+        self._count_failed(outcome.failures, fresh=not maybe_sent)
+        for t in turns:
+            if t.key not in outcome.failed:
+                self._failing.pop(t.key, None)  # written: a later failure counts again
         fields = dict(turns=len(turns), sessions=len(groups),
                       http_calls=sum(self.client.calls.values()) - calls_before,
                       failed=len(outcome.failures),
@@ -221,6 +268,11 @@ class SessionWriter:
             await self._ensure_session(session, {m.params.peer_id for u in units
                                                  for m in u.msgs} - {self.mapper.assistant})
             if maybe_sent:
+                # Sent before: nothing of it may still be in flight, an earlier run's neither,
+                # unless each of these turns failed here first in a write of new turns.
+                earlier_run = any(not self._failing.get(u.turn.key, False)
+                                  for u in units if u.msgs)
+                await self._settle(name, since_start=earlier_run)
                 units = await self._without_present(session, units)
         except CallFailed as f:
             # The set-up was for the session's first batch: only that batch was tried (when
@@ -293,6 +345,46 @@ class SessionWriter:
         finally:
             self._sessions.discard(session.id)  # a later turn makes it anew, with its peers
 
+    def _count_failed(self, failures: Iterable[TurnFailure], *, fresh: bool) -> None:
+        """Count in ``turns_failed`` the records failing for the first time (see COUNTERS);
+        ``fresh``: their write said they were never sent before."""
+        failing = self._failing
+        for f in failures:
+            if f.key in failing:
+                failing.move_to_end(f.key)
+                continue
+            failing[f.key] = fresh
+            self.counts["turns_failed"] += 1
+            if len(failing) > FAILED_REMEMBERED:
+                failing.popitem(last=False)
+
+    def _sent_unanswered(self, name: str, sent_at: float) -> None:
+        """A request to session ``name`` sent at ``sent_at`` got no answer: it may still
+        commit on the server up to ``max_inflight_s`` after that."""
+        until = sent_at + self.config.max_inflight_s
+        self._in_flight[name] = max(until, self._in_flight.get(name, -math.inf))
+        if len(self._in_flight) > _INFLIGHT_PRUNE_AT:
+            now = self._clock()
+            for key in [k for k, t in self._in_flight.items() if t <= now]:
+                del self._in_flight[key]
+
+    async def _settle(self, name: str, *, since_start: bool = False) -> None:
+        """Return once no request this writer sent to session ``name`` can still commit on
+        the server (see ``_sent_unanswered``) and, with ``since_start``, none an earlier run
+        sent either (those went before this writer started): a check of what the server
+        holds, made earlier, can miss one still running there, and the resend it allows
+        then lands twice. Cancellable: a shutdown does not wait for it."""
+        deadline = self._in_flight.get(name, -math.inf)
+        if since_start:
+            deadline = max(deadline, self._started + self.config.max_inflight_s)
+        wait = deadline - self._clock()
+        if wait > 0:
+            self.counts["inflight_waits"] += 1
+            log.info("honcho_inflight_wait", session=name, wait_s=round(wait, 3))
+            await self._sleep(wait)
+        # The session's calls never overlap, so nothing was sent to it meanwhile.
+        self._in_flight.pop(name, None)
+
     def _note_failure(self, session: str, turns: Sequence[Turn], f: CallFailed) -> None:
         log.warning("honcho_batch_failed", session=session, turns=len(turns), reason=f.reason,
                     permanent=f.permanent)
@@ -323,8 +415,9 @@ class SessionWriter:
                 raise
 
     async def _send(self, session: Any, msgs: list[Msg]) -> None:
-        """One ``add_messages`` call, retried; a retry after an unknown outcome first asks
-        the server which of these messages it already holds.
+        """One ``add_messages`` call, retried; a retry after an unknown outcome first waits
+        until the earlier requests can no longer commit, then asks the server which of
+        these messages it already holds, and sends only the others.
 
         Raises:
             CallFailed: the batch was refused, or not written after max_attempts.
@@ -336,6 +429,7 @@ class SessionWriter:
             attempt += 1
             try:
                 if unknown:
+                    await self._settle(session.id)
                     self.counts["dedupe_checks"] += 1
                     present = await self._present(session, sorted({m.key for m in pending}))
                     unknown = False
@@ -344,9 +438,7 @@ class SessionWriter:
                     self.counts["resend_skipped"] += before - len(pending)
                     if not pending:
                         return
-                batch = [m.params for m in pending]
-                await self.client.attempt(
-                    "add_messages", functools.partial(session.aio.add_messages, batch))
+                await self._add(session, pending)
                 return
             except CallRetry as r:
                 unknown = unknown or r.unknown
@@ -356,6 +448,26 @@ class SessionWriter:
                 # one was held back by the circuit that failure helped open.
                 f.sent = f.sent or attempt > 1
                 raise
+
+    async def _add(self, session: Any, msgs: list[Msg]) -> None:
+        """One attempt of ``add_messages``; one that got no answer is remembered as maybe
+        still in flight (see ``_settle``).
+
+        Raises:
+            CallRetry, CallFailed: as ``HonchoClient.attempt``.
+        """
+        batch = [m.params for m in msgs]
+        sent_at = self._clock()
+        try:
+            await self.client.attempt(
+                "add_messages", functools.partial(session.aio.add_messages, batch))
+        except CallRetry as r:
+            if r.in_flight:
+                self._sent_unanswered(session.id, sent_at)
+            raise
+        except anyio.get_cancelled_exc_class():
+            self._sent_unanswered(session.id, sent_at)  # the request may be out, unanswered
+            raise
 
     async def _present(self, session: Any, keys: Sequence[str]) -> set[tuple[str, int]]:
         """(turn key, index) of the session's messages that carry one of ``keys``.
