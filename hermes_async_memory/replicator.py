@@ -77,7 +77,9 @@ class Replicator:
             rows = await self._store.replica_pending(self._name, REPLICA_SESSIONS,
                                                      REPLICA_TURNS)
             if not rows:
-                self.idle = not self._work.is_set()
+                was_idle, self.idle = self.idle, not self._work.is_set()
+                if self.idle and not was_idle:
+                    self._on_progress()  # stats say 0 pending from now: wake their waiters
                 with anyio.move_on_after(REPLICA_POLL_S):
                     await self._work.wait()
                 continue

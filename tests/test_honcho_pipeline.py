@@ -31,7 +31,9 @@ def honcho_config(fake: FakeHoncho, **changes: Any) -> HonchoConfig:
     values: dict[str, Any] = dict(
         base_url=fake.base_url, workspace_id=WORKSPACE, request_timeout_s=1.0,
         backoff_base_s=0.02, backoff_max_s=0.2, max_attempts=6, breaker_failures=4,
-        breaker_cooldown_s=0.5, recall_deadline_s=1.0)
+        breaker_cooldown_s=0.5, recall_deadline_s=1.0,
+        # The fake server answers or fails at once: a request it timed out is over by then.
+        max_inflight_s=0.5)
     values.update(changes)
     return HonchoConfig(**values)
 
