@@ -98,11 +98,8 @@ from _common import (
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.backends.base import RecallRequest
 from hermes_async_memory.postgres import open_pool, upgrade
-from hermes_async_memory.postgres.backend import (
-    MAX_NOTIFY_BYTES,
-    WRITES_CHANNEL,
-    PostgresBackend,
-)
+from hermes_async_memory.postgres.backend import PostgresBackend
+from hermes_async_memory.postgres.notices import MAX_NOTIFY_BYTES, WRITES_CHANNEL
 from hermes_async_memory.postgres.recall import SNIPPET_SOURCE_CHARS, recall_block
 from hermes_async_memory.postgres.statements import (
     ADD_COUNTERS,

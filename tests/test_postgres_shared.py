@@ -177,6 +177,6 @@ async def test_a_20s_outage_under_load_serves_stale_then_catches_up(
 
 @pytest.mark.parametrize("payload", ["not json", '{"users": 3}', "[]"])
 def test_an_unreadable_notice_refreshes_everyone(payload: str) -> None:
-    from hermes_async_memory.postgres.backend import parse_notice
+    from hermes_async_memory.postgres.notices import parse_notice
     notice = parse_notice(payload, "me")
     assert notice is not None and notice.everyone

@@ -85,13 +85,11 @@ from ..errors import (
     SchemaVersionError,
     describe,
 )
-from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, SessionOp, TemplateOp, parse_op
+from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, SessionOp, parse_op
 from ..procedural.extract import OutcomeRules
 from ..retry import Backoff
 from ..settings import Settings
-from ..templates.model import Template, normalize_tags
-from ..templates.outcome import examples_signature
-from ..turns import TURN, Turn, payload_rows, scope_token_for, scope_tokens
+from ..turns import TURN, Turn, payload_rows, scope_token_for
 from .derived import (
     PROCEDURAL,
     TEMPLATE_STATS,
@@ -102,34 +100,23 @@ from .derived import (
 from .dsn import redact_dsn, settings_dsn
 from .jobs import JOBS_CHANNEL
 from .listen import Listener
+from .notices import WRITES_CHANNEL, notify_payload, parse_notice
+from .operations import apply_session, apply_template, clean, phases
 from .pool import close_pool, create_pool, database_errors
 from .recall import recall_block
 from .schema import check
 from .statements import (
     ADD_COUNTERS,
     CLAIM_RECORD,
-    DELETE_SESSION,
-    DESCRIBE,
-    END,
     ENQUEUE_JOBS,
-    IMPORT_MESSAGES,
-    IMPORT_ROW,
-    IMPORT_TARGET,
     INSERT_MESSAGES,
     INSERT_MESSAGES_AND_CALLS,
     KV_DELETE,
     KV_PUT,
-    LAST_SEQ,
-    PRUNABLE,
     STAGE,
     STAGE_CALL_COLUMNS,
     STAGE_CALLS,
     STAGE_COLUMNS,
-    TEMPLATE_DELETE,
-    TEMPLATE_KEEP,
-    TEMPLATE_OUTCOME,
-    TEMPLATE_SAVE,
-    TEMPLATE_USE,
     UPSERT_SESSIONS,
 )
 
@@ -141,24 +128,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-WRITES_CHANNEL = "hermes_writes"
-# NOTIFY refuses a payload of 8,000 bytes or more; past this the payload says "everyone".
-MAX_NOTIFY_BYTES = 7900
-NUL = "\x00"
 _DEFAULT_RULES = OutcomeRules()
-# A template's tags and document as the local store writes them (store.templates).
-_JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
-NUL_STORED = "\ufffd"
 # While the database is known down, a recall tries it again at most this often (each try
 # may wait up to the connect time-out); the replicator's writes try on their own backoff.
 PROBE_INTERVAL_S = 5.0
 
-
-
-@dataclass(slots=True)
-class _Phase:
-    turns: list[Turn] = field(default_factory=list)
-    ops: list[Turn] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -542,87 +516,11 @@ class PostgresBackend(Backend):
                 written.users.add(op.user_id)
             else:
                 written.sessions.add(op.session_id)
-            await self._session_op(conn, op)
+            await apply_session(conn, op, self._settings.source)
         else:
-            await self._template_op(conn, op, written)
-
-    async def _template_op(self, conn: Conn, op: TemplateOp, written: _Written) -> None:
-        """A template record, as ``store.templates`` applies it in SQLite; a start or an
-        end that moves a template's counts queues its stats job (``derived``)."""
-        if op.action == "put":
-            t = Template.from_dict(op.document)
-            await conn.execute(
-                TEMPLATE_SAVE if op.mode == "save" else TEMPLATE_KEEP, op.name, t.task_type,
-                _JSON.encode(list(normalize_tags(t.tags))), t.description,
-                t.source_session_id, _JSON.encode(op.document),
-                examples_signature(t.examples), t.usage_count, t.successes, t.failures,
-                t.created_at, op.accepted_at, op.mode == "auto")
-            return
-        if op.action == "delete":
-            for statement in TEMPLATE_DELETE:
-                await conn.execute(statement, op.name)
-            return
-        if op.action == "use":
-            name = await conn.fetchval(TEMPLATE_USE, op.session_id, op.name, op.task_type,
-                                       op.accepted_at)
-        else:
-            name = await conn.fetchval(TEMPLATE_OUTCOME, op.session_id, op.task_type,
-                                       op.accepted_at, bool(op.ok), op.first_calls,
-                                       op.first_errors)
-        if name is not None:
-            written.templates.add(name)
-
-    async def _session_op(self, conn: Conn, op: SessionOp) -> None:
-        source = self._settings.source
-        if op.action == "describe":
-            f = op.fields
-            config = f.get("model_config")
-            await conn.execute(
-                DESCRIBE, op.session_id, op.accepted_at, source, f.get("source"), op.user_id,
-                f.get("model"), f.get("parent_session_id"),
-                None if config is None else json.dumps(config, separators=(",", ":")),
-                f.get("system_prompt"), bool(f.get("tokens_estimated")))
-        elif op.action == "end":
-            await conn.execute(END, op.session_id, op.accepted_at, source, op.user_id,
-                               op.reason)
-        elif op.action == "delete":
-            if op.ended_before is None or await conn.fetchval(
-                    PRUNABLE, op.session_id, op.ended_before, op.source):
-                for statement in DELETE_SESSION:
-                    await conn.execute(statement, op.session_id)
-        else:
-            await self._import(conn, op, source)
-
-    async def _import(self, conn: Conn, op: SessionOp, source: str) -> None:
-        """An import part: the exported row if the session is not here; its messages if
-        the session is the exported one (same start), each once."""
-        r = op.row
-        if r is not None:
-            await conn.execute(
-                IMPORT_ROW, op.session_id, r.get("source"), r.get("user_id"), r.get("model"),
-                r.get("parent_session_id"), _float(r.get("started_at")),
-                _float(r.get("updated_at")), _float(r.get("ended_at")), r.get("end_reason"),
-                int(r.get("message_count") or 0), int(r.get("tool_call_count") or 0),
-                int(r.get("input_tokens") or 0), int(r.get("output_tokens") or 0),
-                _json_text(r.get("model_config")), r.get("system_prompt"),
-                bool(r.get("tokens_estimated")), source, op.accepted_at)
-        messages = op.messages or []
-        if not messages or not await conn.fetchval(IMPORT_TARGET, op.session_id,
-                                                   op.started_at):
-            return
-        last = int(await conn.fetchval(LAST_SEQ, op.session_id))
-        ranks: dict[str, int] = {}
-        for m in messages:
-            ranks.setdefault(str(m[1]), last + len(ranks) + 1)
-        columns: list[list[Any]] = [[] for _ in range(12)]
-        for m in messages:
-            values = (ranks[str(m[1])], str(m[1]), int(m[2]), m[3], _clean(m[4]),
-                      _clean(m[5]), _clean(m[6]), _clean(m[7]), float(m[8]), m[9],
-                      _json_text(m[10]), None if m[11] is None else int(m[11]))
-            for column, value in zip(columns, values, strict=True):
-                column.append(value)
-        await conn.execute(IMPORT_MESSAGES, op.session_id,
-                           scope_tokens(op.user_id, op.session_id), *columns)
+            name = await apply_template(conn, op)
+            if name is not None:
+                written.templates.add(name)
 
     # -- other machines' writes ----------------------------------------------------------
 
@@ -677,32 +575,6 @@ class PostgresBackend(Backend):
         return block
 
 
-def phases(records: Sequence[Turn]) -> list[_Phase]:
-    """``records`` in phases (module doc): phase p holds each lane's turns after its p-th
-    operation, and then each lane's (p+1)-th operation, in batch order.
-
-    A template record and a session's event (their lanes differ) may touch the same
-    session's warm-start row (a start, then the session's delete): of two such, the one
-    first in the batch goes in a phase no later than the other's, so first (within a phase,
-    operations go in batch order), as SQLite committed them."""
-    out: list[_Phase] = []
-    next_op: Counter[str] = Counter()  # per lane: the phase of its next operation, at least
-    last = {OP_SESSION: 0, OP_TEMPLATE: 0}  # the phase of the latest operation of each kind
-    for t in records:
-        p = next_op[t.session_id]
-        if t.kind in last:
-            p = max(p, last[OP_TEMPLATE if t.kind == OP_SESSION else OP_SESSION])
-            last[t.kind] = max(last[t.kind], p)
-        while len(out) <= p:
-            out.append(_Phase())
-        if t.kind == TURN:
-            out[p].turns.append(t)
-        else:
-            out[p].ops.append(t)
-            next_op[t.session_id] = p + 1
-    return out
-
-
 def stage_rows(turns: Iterable[Turn], calls: list[tuple[Any, ...]] | None = None,
                calling: Counter[str] | None = None, rules: OutcomeRules = _DEFAULT_RULES
                ) -> list[tuple[Any, ...]]:
@@ -718,7 +590,7 @@ def stage_rows(turns: Iterable[Turn], calls: list[tuple[Any, ...]] | None = None
         messages = payload_rows(t.payload)
         for (sid, key, ordinal, *texts, at, user, scope, metadata, tokens) in messages:
             if t.has_nul:
-                texts = [_clean(v) for v in texts]
+                texts = [clean(v) for v in texts]
             rows.append((len(rows), sid, rank, key, ordinal, *texts, float(at), user, scope,
                          metadata, tokens))
         if calls is not None and t.tool_calls:
@@ -727,47 +599,6 @@ def stage_rows(turns: Iterable[Turn], calls: list[tuple[Any, ...]] | None = None
                 calling[t.key] += len(found)
             for row in found:
                 if t.has_nul:
-                    row = tuple(_clean(v) for v in row)
+                    row = tuple(clean(v) for v in row)
                 calls.append((len(calls), t.key, *row))
     return rows
-
-
-def notify_payload(origin: str, users: Iterable[str], sessions: Iterable[str]) -> str:
-    """JSON naming the writer's ``origin``, the users and the (user-less) sessions written;
-    ``"all"`` rather than names when they would not fit a notification."""
-    payload = json.dumps({"origin": origin, "users": sorted(users),
-                          "sessions": sorted(sessions)}, separators=(",", ":"))
-    if len(payload.encode()) <= MAX_NOTIFY_BYTES:
-        return payload
-    return json.dumps({"origin": origin, "all": True}, separators=(",", ":"))
-
-
-def parse_notice(payload: str, own_origin: str) -> WriteNotice | None:
-    """The notice a ``notify_payload`` carries; None for ``own_origin``'s. A payload that is
-    not ours to read (another program on the channel) counts as everyone's writes."""
-    try:
-        data = json.loads(payload)
-        if data.get("origin") == own_origin:
-            return None
-        if data.get("all"):
-            return WriteNotice(everyone=True)
-        return WriteNotice(frozenset(map(str, data["users"])),
-                           frozenset(map(str, data["sessions"])))
-    except (ValueError, TypeError, KeyError, AttributeError):
-        log.warning("postgres_notice_unreadable", size=len(payload))
-        return WriteNotice(everyone=True)
-
-
-def _clean(value: Any) -> Any:
-    return value.replace(NUL, NUL_STORED) if isinstance(value, str) and NUL in value else value
-
-
-def _float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
-def _json_text(value: Any) -> str | None:
-    """A JSON document as text, as the local store keeps it (a text stays text)."""
-    if value is None or isinstance(value, str):
-        return None if value is None else str(_clean(value))
-    return json.dumps(value, separators=(",", ":"))
