@@ -87,7 +87,7 @@ class Parts:
         p.meter.record_batch(now, len(turns), rows)
         self.maintenance.rows_since_vocab += rows
         if self.replicator is not None:
-            self.replicator.wake()
+            self.replicator.wake([t.key for t in turns])
         p.changed()
         if self.outbox.needs_spare():
             self.maintenance.poke()

@@ -17,7 +17,7 @@ it removed unsent.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import anyio
 import structlog
@@ -58,12 +58,27 @@ class Replicator:
         # The outbox was found empty and nothing was committed since: nothing waits (the
         # maintenance's counts lag by up to a round).
         self.idle = False
+        # The keys of the records the last whole read took (every pending one then): a commit
+        # of only those has nothing new to send. While a read is under way, the keys commits
+        # announce wait in ``_announced`` to be checked against what it took.
+        self._taken: set[str] | None = None
+        self._announced: list[str] | None = None
         self.replicated = 0
         self.errors = 0
         self.dead = 0
         self.unavailable = 0
 
-    def wake(self) -> None:
+    def wake(self, keys: Collection[str] | None = None) -> None:
+        """New records are committed (``keys``: theirs, when known). A commit lands in the
+        database before it is announced here, so the read under way or the last one may
+        already have taken its records: then there is nothing new, and the replicator may
+        still say it is idle once its write is done."""
+        if keys is not None:
+            if self._announced is not None:
+                self._announced.extend(keys)
+                return
+            if self._taken is not None and self._taken.issuperset(keys):
+                return
         self.idle = False
         self._work.set()
 
@@ -74,8 +89,18 @@ class Replicator:
                 # Rows an earlier run left may have reached the backend before it stopped.
                 self._unsure_upto = await self._store.replica_last_id(self._name)
             self._work.clear()  # set again by a commit from here on
-            rows = await self._store.replica_pending(self._name, REPLICA_SESSIONS,
-                                                     REPLICA_TURNS)
+            self._taken, self._announced = None, []
+            try:
+                rows = await self._store.replica_pending(self._name, REPLICA_SESSIONS,
+                                                         REPLICA_TURNS)
+            finally:
+                announced, self._announced = self._announced, None
+            # Every waiting record was read (fewer than a full read's worth).
+            whole = (len(rows) < REPLICA_TURNS
+                     and len({r.session_id for r in rows}) < REPLICA_SESSIONS)
+            self._taken = {r.turn_key for r in rows} if whole else None
+            if announced:
+                self.wake(announced)
             if not rows:
                 was_idle, self.idle = self.idle, not self._work.is_set()
                 if self.idle and not was_idle:
@@ -88,10 +113,8 @@ class Replicator:
             # run: the backend first checks what it already holds.
             maybe_sent = any(r.tried or r.id <= self._unsure_upto for r in rows)
             failed = await self._replicate(rows, turns, maybe_sent, failures)
-            # Every waiting record was in this write (fewer than a full read), none is to be
-            # tried again, and nothing was committed since: the outbox is empty now.
-            whole = (len(rows) < REPLICA_TURNS
-                     and len({r.session_id for r in rows}) < REPLICA_SESSIONS)
+            # Every waiting record was in this write, none is to be tried again, and nothing
+            # new was committed since the read: the outbox is empty now.
             self.idle = whole and not failed and not self._work.is_set()
             self._on_progress()
             failures = failures + 1 if failed else 0

@@ -225,10 +225,9 @@ async def test_the_issue_through_the_pipeline_each_message_once_and_nothing_pend
     waits = Waits()
     backend = HonchoBackend(config(fake), sleep=waits)
     async with MemoryPipeline(Settings(db_path=tmp_path / "memory.db"), backend) as mem:
-        # One turn replicated first, so the turns below commit while the replicator waits
-        # for work. (One that commits while it is reading, as at its start, is announced to
-        # it after the read; the write that takes it then ends "not idle", and replica_pending
-        # shows the last periodic count until the next read: not exact, see the report.)
+        # One turn replicated first. The turns below may commit in several batches, some
+        # read by the replicator before their commit is announced to it: replica_pending is
+        # 0 all the same once the last of them is replicated.
         mem.sync_turn("hello", "hi", session_id="w", user_id="ada")
         await mem.flush()
         await mem.wait_until(lambda: mem.stats().replicated_turns == 1, timeout=WAIT_S)

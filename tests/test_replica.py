@@ -25,6 +25,8 @@ from hermes_async_memory.backends.base import (
     TurnFailure,
 )
 from hermes_async_memory.ops import encode_session_op, parse_session_record
+from hermes_async_memory.replicator import Replicator
+from hermes_async_memory.retry import Backoff
 from hermes_async_memory.store import SqliteStore
 from hermes_async_memory.turns import Turn
 
@@ -354,3 +356,73 @@ async def test_lifecycle_records_wait_for_the_backend_when_they_changed_their_se
     imported = parse_session_record(rows[3].payload or "")
     assert imported is not None and imported.snapshot is not None
     assert (imported.snapshot["source"], imported.snapshot["started_at"]) == ("cli", 1000.0)
+
+
+@pytest.mark.parametrize("announced", ["during the read", "after the read"])
+async def test_a_commit_the_read_already_took_does_not_keep_the_replicator_busy(
+    tmp_path: Path, announced: str
+) -> None:
+    """A commit lands in the database before the writer announces it. When the replicator's
+    read took its records first, their write empties the outbox, and the replicator says
+    it is idle (stats then show 0 pending) as soon as that write is done. A commit the read
+    did not take keeps it busy."""
+    store = SqliteStore(tmp_path / "m.db")
+    await store.open()
+    backend = ScriptedBackend()
+    backend.hold = anyio.Event()
+    progress = [anyio.Event()]  # set at each of the replicator's progress reports
+    reports: list[tuple[int, bool]] = []  # (replicated, idle) at each
+
+    def report() -> None:
+        reports.append((replicator.replicated, replicator.idle))
+        progress[0].set()
+
+    async def next_progress() -> None:
+        progress[0] = anyio.Event()
+        await progress[0].wait()
+
+    replicator = Replicator(store, backend, max_attempts=3, backoff=Backoff(base_s=0.001),
+                            on_progress=report)
+    read = store.replica_pending
+    reads = 0
+
+    async def reading(name: str, sessions: int, limit: int) -> list[Any]:
+        nonlocal reads
+        reads += 1
+        rows = await read(name, sessions, limit)
+        if reads == 2 and announced == "during the read":
+            replicator.wake(["t1", "t2"])  # the writer's announcement, late
+        return rows
+
+    store.replica_pending = reading  # type: ignore[method-assign]
+    try:
+        store.replica = "scripted"
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(replicator.run)
+            with anyio.fail_after(WAIT_S):
+                while reads < 1 or not replicator.idle:  # the first read found nothing
+                    await next_progress()
+                # Committed before the announcement; the replicator is woken to read them
+                # by an earlier commit's announcement (of another turn, "t0").
+                await store.commit([_turn("t0", "s0"), _turn("t1", "s1"), _turn("t2", "s2")])
+                replicator.wake(["t0"])
+                await backend.called.wait()
+                if announced == "after the read":
+                    replicator.wake(["t1", "t2"])
+                done = anyio.Event()
+                progress[0] = done
+                backend.hold.set()
+                await done.wait()
+                # Reported with the write: every committed record was written, nothing
+                # waits, and no further read was needed to say so.
+                assert reports[-1] == (3, True)
+                # A commit the read did not take: busy until it is written.
+                await store.commit([_turn("t3", "s0")])
+                replicator.wake(["t3"])
+                assert not replicator.idle
+                while replicator.replicated < 4 or not replicator.idle:
+                    await next_progress()
+            tg.cancel_scope.cancel()
+    finally:
+        await store.aclose()
+    assert backend.keys("s0") == ["t0", "t3"] and backend.keys("s2") == ["t2"]
