@@ -3,14 +3,18 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
+from typing import Any, Protocol
 
 import pytest
+import pytest_asyncio
 import structlog
+from playwright.async_api import Browser, BrowserContext, Page, async_playwright
 
 from hermes_async_memory import MemoryPipeline, Settings
 
+from .browser import BrowserUnavailable, chromium_path, launch, open_context, require_browser_loop
 from .fake_honcho import FakeHoncho
 from .pg_server import PostgresServer, PostgresUnavailable
 from .processes import ROOT, Spawn, Worker, child_env
@@ -118,3 +122,57 @@ def pg_dsn(pg_server: PostgresServer) -> str:
     if not pg_server.running:  # a test that stopped it failed before starting it again
         pg_server.start()
     return pg_server.create_database()
+
+
+# A real headless browser: Debian's chromium driven by Playwright's async API. Why async,
+# and why a test using these runs in the session's loop (pytestmark = BROWSER_LOOP): see
+# tests/browser.py.
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def browser() -> AsyncIterator[Browser]:
+    """Headless chromium for the whole run, launched on first use. Not installed: every test
+    that needs it fails with one line saying how to install it (never skipped)."""
+    failure: str | None = None
+    try:
+        chromium_path()
+    except BrowserUnavailable as exc:
+        failure = str(exc)  # failed below, outside this block: one line, no chained error
+    if failure is not None:
+        pytest.fail(failure, pytrace=False)
+    async with async_playwright() as playwright:
+        launched = await launch(playwright)
+        try:
+            yield launched
+        finally:
+            await launched.close()
+
+
+class NewContext(Protocol):
+    def __call__(self, *, javascript: bool = True, **options: Any) -> Awaitable[BrowserContext]:
+        ...
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def new_context(request: pytest.FixtureRequest,
+                      browser: Browser) -> AsyncIterator[NewContext]:
+    """``await new_context(javascript=False, **options)``: a new context of the session's
+    browser whose pages record their problems (``log_of``); closed at the end of the test."""
+    require_browser_loop(request)
+    contexts: list[BrowserContext] = []
+
+    async def make(*, javascript: bool = True, **options: Any) -> BrowserContext:
+        context = await open_context(browser, javascript=javascript, **options)
+        contexts.append(context)
+        return context
+
+    yield make
+    for context in contexts:
+        await context.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def page(new_context: NewContext) -> Page:
+    """A page in a context of its own, JavaScript on; ``log_of(page)`` has what it reported."""
+    context = await new_context()
+    return await context.new_page()
