@@ -10,6 +10,7 @@
     hermes-memory dead-letters list | replay                  (cli.dead_letters)
     hermes-memory eval                                        (cli.evaluate)
     hermes-memory db upgrade | status                         (cli.db)
+    hermes-memory ui [--db PATH] [--host HOST] [--port PORT]  (cli.ui)
     hermes-memory hermes install                              (hermes.install)
 
 Subcommands other than ``worker`` come from the modules in ``_COMMAND_MODULES``: each has a
@@ -88,6 +89,7 @@ _COMMAND_MODULES = (
     "hermes_async_memory.cli.dead_letters",
     "hermes_async_memory.cli.evaluate",
     "hermes_async_memory.cli.db",
+    "hermes_async_memory.cli.ui",
     "hermes_async_memory.hermes.install",
 )
 # Commands that hand their remaining arguments to a parser of their own.

@@ -142,15 +142,10 @@ def _replica_replay(settings: Settings, backend: str, keys: list[str] | None) ->
 
 
 async def _replay(settings: Settings, keys: list[str]) -> tuple[list[str], dict[str, str]]:
-    from ..store import SqliteStore
+    from ..store.dead_letters import replay_file_dead_letters
 
-    store = SqliteStore(settings.db_path, readers=0, busy_timeout_ms=settings.busy_timeout_ms,
-                        source=settings.source)
-    if settings.backend != "null":
-        # A replayed turn also goes to the replica backend the worker runs with.
-        store.replica = settings.backend
-    await store.open()
-    try:
-        return await store.replay_dead_letters(keys)
-    finally:
-        await store.aclose()
+    # A replayed turn also goes to the replica backend the worker runs with.
+    return await replay_file_dead_letters(
+        settings.db_path, keys, source=settings.source,
+        replica=None if settings.backend == "null" else settings.backend,
+        busy_timeout_ms=settings.busy_timeout_ms)

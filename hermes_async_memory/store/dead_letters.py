@@ -6,6 +6,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import StoreError
 from ..turns import TURN, Turn
@@ -124,6 +125,29 @@ class DeadLetters(Connections):
             await rollback(db)
             raise
 
+
+
+async def replay_file_dead_letters(path: Path, keys: Iterable[str], *, source: str,
+                                   replica: str | None, busy_timeout_ms: int
+                                   ) -> tuple[list[str], dict[str, str]]:
+    """``replay_dead_letters`` on the store file at ``path``, from a process beside the one
+    that writes it (the admin CLI, the inspector): a writer connection of its own for the
+    replay's transactions, closed after. ``replica``: the backend a replayed turn is then
+    queued for (None: none).
+
+    Raises:
+        StoreError: the file cannot be opened or written.
+    """
+    from . import SqliteStore
+
+    store = SqliteStore(path, readers=0, busy_timeout_ms=busy_timeout_ms, source=source)
+    if replica is not None:
+        store.replica = replica
+    await store.open()
+    try:
+        return await store.replay_dead_letters(keys)
+    finally:
+        await store.aclose()
 
 
 def _dead_turn(key: str, segment: int, payload: bytes | str | None) -> Turn:

@@ -120,6 +120,21 @@ class Memories(Connections):
                 (user_id,)) as cur:
             return [str(r[0]) for r in await cur.fetchall()]
 
+    async def memory_entries(self, user_id: str, limit: int, offset: int = 0
+                             ) -> list[EntryRow]:
+        """The user's entries, most recently updated first."""
+        async with self.reader() as db, db.execute(
+                _ENTRY + "WHERE user_id = ? ORDER BY updated_at DESC, key LIMIT ? OFFSET ?",
+                (user_id, limit, offset)) as cur:
+            return [_row(r) for r in await cur.fetchall()]
+
+    async def memory_users(self, limit: int) -> list[tuple[str, int]]:
+        """Users with key-value entries, by id, with their entry counts."""
+        async with self.reader() as db, db.execute(
+                "SELECT user_id, count(*) FROM memories GROUP BY user_id ORDER BY user_id "
+                "LIMIT ?", (limit,)) as cur:
+            return [(str(r[0]), int(r[1])) for r in await cur.fetchall()]
+
     async def memory_query(self, user_id: str, match: str, limit: int) -> list[EntryRow]:
         """Entries whose key or value match ``match`` (an FTS5 expression the caller built
         from quoted terms), best first."""

@@ -151,6 +151,25 @@ class SessionQueries(Connections):
                 "LIMIT ? OFFSET ?", [*params, limit, offset])
         return [decode_session(r) for r in rows]
 
+    async def list_users(self, *, limit: int = 50, offset: int = 0) -> list[dict[str, Any]]:
+        """The users with stored sessions, by id (sessions without a user as ``None``,
+        first): each with ``sessions``, ``messages``, ``tokens`` (input and output) and
+        ``last_active`` (the latest ``updated_at``). Walks ``idx_sessions_user`` in order,
+        so a page costs its own users' sessions, not the whole table's."""
+        async with self.reader() as db:
+            return await fetch_dicts(
+                db, "SELECT user_id, count(*) AS sessions, sum(message_count) AS messages, "
+                "sum(input_tokens + output_tokens) AS tokens, max(updated_at) AS last_active "
+                "FROM sessions GROUP BY user_id ORDER BY user_id LIMIT ? OFFSET ?",
+                [limit, offset])
+
+    async def count_users(self) -> int:
+        """Distinct users with stored sessions (sessions without a user count as one)."""
+        async with self.reader() as db:
+            rows = await fetch_dicts(
+                db, "SELECT count(*) AS n FROM (SELECT 1 FROM sessions GROUP BY user_id)", [])
+        return int(rows[0]["n"])
+
     async def get_session(self, session_id: str) -> dict[str, Any] | None:
         """The session's row, every column, model_config decoded; None when not stored."""
         async with self.reader() as db:

@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from socketserver import ThreadingMixIn
-from typing import TYPE_CHECKING, Any, Final
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import TYPE_CHECKING, Final
+from wsgiref.simple_server import WSGIServer
 
-import anyio.to_thread
 import structlog
 from prometheus_client import CollectorRegistry, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -33,11 +30,15 @@ from ..metrics import PipelineObserver
 from ..pipeline import MemoryPipeline
 from ..stats import PipelineStats
 from ..supervisor import Health
+from ..ui.access import Access
+from .wsgi import WsgiServer, serve_wsgi
 
 if TYPE_CHECKING:
     import asyncio
 
     from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
+
+    from ..ui.app import InspectorApp
 
 log = structlog.get_logger(__name__)
 
@@ -45,8 +46,6 @@ DEFAULT_HOST = "127.0.0.1"
 # How long a request waits for the pipeline's loop to read stats(). A healthy loop answers in
 # microseconds; one that stays silent this long is stalled, and /healthz says so.
 STATS_TIMEOUT_S = 1.0
-# serve_forever() notices a shutdown request once per poll: this bounds close().
-_POLL_INTERVAL_S = 0.1
 PREFIX: Final = "hermes_memory_"
 # Turns per batch: up to the default max_batch (2000).
 BATCH_TURNS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
@@ -264,41 +263,22 @@ class _PipelineCollector:
             yield counter
 
 
-class _Server(ThreadingMixIn, WSGIServer):
-    """One daemon thread per request: a stuck client never holds up shutdown."""
-
-    daemon_threads = True
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # The default prints a traceback to stderr, which would break the JSON log stream.
-        log.debug("http_connection_error", client=str(client_address), exc_info=True)
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """Request lines go to structlog at debug, not to stderr."""
-
-    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        log.debug("http_request", method=self.command, path=self.path, status=str(code),
-                  bytes=str(size))
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("http_message", client=self.client_address[0], message=format % args)
-
-
 class _App:
-    """Routes /healthz and /metrics; anything else is a 404."""
+    """Routes /healthz and /metrics, and /ui to the inspector when there is one; anything
+    else is a 404."""
 
-    def __init__(self, probe: _Probe, registry: CollectorRegistry) -> None:
+    def __init__(self, probe: _Probe, registry: CollectorRegistry,
+                 inspector: InspectorApp | None = None) -> None:
         self._probe = probe
         self._metrics: WSGIApplication = make_wsgi_app(registry)
+        self._inspector = inspector
         self._started = time.monotonic()
 
-    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> list[bytes]:
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse
+                 ) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
+        if self._inspector is not None and self._inspector.handles(path):
+            return self._inspector(environ, start_response)
         try:
             if path == "/metrics":
                 return list(self._metrics(environ, start_response))
@@ -348,38 +328,14 @@ def _json(start_response: StartResponse, status: str, body: dict[str, object],
     return [data]
 
 
-class HttpServer:
+class HttpServer(WsgiServer):
     """A running server; ``close()`` (or ``await aclose()``) stops it. Both are idempotent."""
 
-    def __init__(self, server: _Server, thread: threading.Thread,
-                 observer: PrometheusObserver) -> None:
-        self._server = server
-        self._thread = thread
-        self._lock = threading.Lock()
-        self._closed = False
+    def __init__(self, server: WSGIServer, thread: threading.Thread,
+                 observer: PrometheusObserver, on_close: Callable[[], None] | None = None
+                 ) -> None:
+        super().__init__(server, thread, on_close)
         self.observer = observer
-        self.host = str(server.server_address[0])
-        self.port = int(server.server_address[1])
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-    def close(self) -> None:
-        """Stop serving and release the port. Blocks up to ~0.1 s: not on the event loop."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
-        log.info("http_closed", host=self.host, port=self.port)
-
-    async def aclose(self) -> None:
-        """``close()`` in a worker thread, so the event loop keeps running."""
-        await anyio.to_thread.run_sync(self.close)
 
 
 def start_http_server(
@@ -390,25 +346,35 @@ def start_http_server(
     *,
     observer: PrometheusObserver | None = None,
     stats_timeout_s: float = STATS_TIMEOUT_S,
+    inspector: Access | None = None,
 ) -> HttpServer:
-    """Serve /healthz and /metrics for ``pipeline`` (running on ``loop``) from a daemon thread.
+    """Serve /healthz and /metrics for ``pipeline`` (running on ``loop``) from a daemon thread,
+    and with ``inspector`` (its access rules) the memory inspector at /ui.
 
     ``port=0`` picks a free port; read it from ``HttpServer.port``. Pass the ``observer`` the
     pipeline was built with, so /metrics has its histograms; without one they stay empty.
 
     Raises:
         OSError: the address cannot be bound (in use, not local, unknown host).
+        StoreError: the inspector cannot read the pipeline's store file.
     """
     observer = PrometheusObserver() if observer is None else observer
     probe = _Probe(pipeline, loop, stats_timeout_s)
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    server_class = _Server6 if family[0][0] == socket.AF_INET6 else _Server
-    server = make_server(host, port, _App(probe, observer.registry), server_class=server_class,
-                         handler_class=_QuietHandler)
+    ui = None
+    if inspector is not None:
+        from ..ui.server import Inspector
+
+        def live() -> tuple[Health, PipelineStats]:
+            snap = probe.snapshot()
+            return snap.health, snap.stats
+
+        ui = Inspector(pipeline.settings, inspector, live=live)
+    try:
+        app = _App(probe, observer.registry, None if ui is None else ui.app)
+        server, thread = serve_wsgi(app, host, port, name="hermes-memory-http")
+    except BaseException:
+        if ui is not None:
+            ui.close()
+        raise
     observer.registry.register(_PipelineCollector(probe))
-    thread = threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": _POLL_INTERVAL_S},
-        name="hermes-memory-http", daemon=True,
-    )
-    thread.start()
-    return HttpServer(server, thread, observer)
+    return HttpServer(server, thread, observer, None if ui is None else ui.close)

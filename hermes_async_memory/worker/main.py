@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import importlib.util
 import os
 import signal
 import sys
@@ -44,6 +45,7 @@ from ..retry import Backoff
 from ..settings import ENV_PREFIX, Settings
 from ..stats import PipelineStats
 from ..supervisor import Supervisor
+from ..ui.access import TOKEN_ENV, Access, token_from_env
 from .demo import print_closed, run_demo
 
 if TYPE_CHECKING:
@@ -95,8 +97,13 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", choices=tuple(LEVELS), default="info")
     parser.add_argument(
         "--http", type=_http_address, metavar="HOST:PORT",
-        help="serve GET /healthz and GET /metrics (Prometheus) on this address; port 0 picks "
-             f"a free one (default: ${HTTP_ENV}, else off)",
+        help="serve GET /healthz and GET /metrics (Prometheus) on this address, and the memory "
+             "inspector at /ui; port 0 picks a free one (default: ${HTTP_ENV}, else off). An "
+             f"address other machines can reach needs ${TOKEN_ENV} for the inspector",
+    )
+    parser.add_argument(
+        "--no-ui", action="store_true",
+        help="serve only /healthz and /metrics on --http, not the memory inspector",
     )
     return parser
 
@@ -188,9 +195,12 @@ def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
         configure_logging(json=json, level=args.log_level)
         settings = settings_from_args(args)
         http = http_from_args(args, os.environ)
+        ui = None
         if http is not None:
             require("prometheus_client", "metrics", "--http")
-        asyncio.run(run(settings, demo=args.demo, http=http))
+            if not args.no_ui:
+                ui = inspector_access(http[0], os.environ)
+        asyncio.run(run(settings, demo=args.demo, http=http, ui=ui))
     except ConfigurationError as exc:
         return fail(prog, exc, EXIT_USAGE)
     except PipelineFailedError as exc:
@@ -202,6 +212,21 @@ def main(argv: Sequence[str] | None = None, *, prog: str = DEFAULT_PROG) -> int:
     return EXIT_OK
 
 
+def inspector_access(host: str, environ: Mapping[str, str]) -> Access | None:
+    """The inspector's access rules on ``host``, or None (with a warning) when the ``ui``
+    extra is not installed: /healthz and /metrics are served all the same.
+
+    Raises:
+        UiAccessError: ``host`` is not loopback and no token is set, or the token is weak.
+    """
+    access = Access.for_bind(host, token_from_env(environ))
+    if importlib.util.find_spec("jinja2") is None:
+        log.warning("ui_unavailable", reason="the inspector at /ui needs the ui extra: "
+                    "pip install 'hermes-async-memory[ui]'")
+        return None
+    return access
+
+
 async def run(
     settings: Settings,
     *,
@@ -209,6 +234,7 @@ async def run(
     ready: ReadyHook | None = None,
     out: TextIO | None = None,
     http: HttpAddress | None = None,
+    ui: Access | None = None,
 ) -> None:
     """Run the pipeline until SIGTERM or SIGINT (with ``demo``: until the demo ends), then drain.
 
@@ -227,7 +253,8 @@ async def run(
     for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     try:
-        await _serve(settings, stop, demo=demo, ready=ready, out=out or sys.stdout, http=http)
+        await _serve(settings, stop, demo=demo, ready=ready, out=out or sys.stdout, http=http,
+                     ui=ui)
     finally:
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
@@ -257,7 +284,7 @@ def _signal_handler(stop: asyncio.Event) -> Callable[[int], None]:
 
 async def _serve(
     settings: Settings, stop: asyncio.Event, *, demo: bool, ready: ReadyHook | None,
-    out: TextIO, http: HttpAddress | None = None,
+    out: TextIO, http: HttpAddress | None = None, ui: Access | None = None,
 ) -> None:
     observer = None
     if http is not None:
@@ -277,8 +304,9 @@ async def _serve(
             # Off the loop: resolving and binding the address may wait on a name lookup.
             server = await anyio.to_thread.run_sync(
                 functools.partial(start_http_server, mem, asyncio.get_running_loop(), *http,
-                                  observer=observer))
-            log.info("http_listening", host=server.host, port=server.port, url=server.url)
+                                  observer=observer, inspector=ui))
+            log.info("http_listening", host=server.host, port=server.port, url=server.url,
+                     ui=None if ui is None else server.url + "/ui")
         log.info("worker_ready", db=str(settings.db_path), pid=os.getpid(),
                  deadline_s=settings.shutdown_deadline_s, demo=demo,
                  jobs_owner=None if jobs is None else jobs.worker.owner)

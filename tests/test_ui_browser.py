@@ -1,0 +1,209 @@
+"""The memory inspector in a real headless Chromium (Debian's), against a store filled by the
+library's own API (tests/ui_fixtures.py): every view shows what a person needs, stored markup
+stays text, the pages work with JavaScript off, the charts draw from the vendored script
+under the page's Content-Security-Policy, and replay without the token is refused. Each view
+leaves a screenshot in the artifacts folder (tests/browser.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from playwright.async_api import Page, expect
+
+from hermes_async_memory.ui.access import Access
+from hermes_async_memory.ui.server import serve_inspector
+
+from .browser import BROWSER_LOOP, log_of, screenshot
+from .conftest import NewContext
+from .ui_fixtures import HOSTILE, POISON, Fixture, fill_store
+
+pytestmark = BROWSER_LOOP
+
+TOKEN = "a-long-enough-test-token-0123456789"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def filled(tmp_path_factory: pytest.TempPathFactory) -> Fixture:
+    return await fill_store(tmp_path_factory.mktemp("ui"))
+
+
+@pytest.fixture(scope="module")
+def site(filled: Fixture) -> Iterator[str]:
+    """The inspector of the fixture store on 127.0.0.1, alone (``hermes-memory ui``'s server),
+    with a token set: replay is on, and needs it."""
+    server = serve_inspector(filled.settings, "127.0.0.1", 0, Access(TOKEN, loopback=True))
+    try:
+        yield server.url + "/ui"
+    finally:
+        server.close()
+
+
+# (screenshot name, path, texts a person must see there)
+VIEWS = [
+    ("pipeline", "", ["No pipeline runs in this process", "Dead letters",
+                      "value rejected by the store", "3 sessions"]),
+    ("users", "/users", ["ada", "bob"]),
+    ("sessions", "/sessions?user=ada", ["ada-1", "ada-2", "cli", "gpt-test", "compressed"]),
+    ("session-tools", "/session?id=ada-2", ["Parent chain", "ada-1", "terminal",
+                                             "python -m pytest -q", "12 passed",
+                                             "All 12 tests pass."]),
+    ("session-hostile", "/session?id=ada-1", [HOSTILE, "Continued in", "ada-2"]),
+    ("search", "/search?q=deploy+billing&user=ada", ["deploy", "billing", "ada-1"]),
+    ("search-source", "/search?q=capital&source=telegram", ["bob-1", "telegram"]),
+    ("preview", "/preview?user=ada&session=ada-2&q=deploy+billing",
+     ["The block prefetch would return", "Where each line came from", "deploy the billing"]),
+    ("memory", "/memory?user=ada", ["editor", "vim, with 4-space indents", HOSTILE]),
+    ("procedural", "/procedural?user=ada", ["terminal", "success rate", "50%", "read_file"]),
+    ("templates", "/templates", ["test-runner", "code"]),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "texts"), VIEWS, ids=[v[0] for v in VIEWS])
+async def test_each_view_shows_its_content_with_no_script_or_policy_error(
+        page: Page, site: str, name: str, path: str, texts: list[str]) -> None:
+    response = await page.goto(site + path)
+    assert response is not None and response.status == 200
+    assert "script-src 'self'" in (await response.all_headers())["content-security-policy"]
+    main = page.locator("main")
+    for text in texts:
+        await expect(main).to_contain_text(text)
+    await screenshot(page, f"ui-{name}")
+    log_of(page).assert_clean()
+
+
+async def test_stored_markup_stays_text_everywhere_it_is_shown(page: Page, site: str) -> None:
+    for path in ("/session?id=ada-1", "/memory?user=ada", "/search?q=remember&user=ada",
+                 "/preview?user=ada&session=ada-1&q=remember+this"):
+        await page.goto(site + path)
+        await expect(page.locator("main")).to_contain_text("<script>document.title")
+        assert await page.title() != "owned", path
+        assert await page.locator("main script").count() == 0, path
+        assert await page.locator("img[src='x']").count() == 0, path
+    log_of(page).assert_clean()
+
+
+async def test_the_preview_names_the_stored_message_of_each_line(page: Page, site: str
+                                                                 ) -> None:
+    await page.goto(site + "/preview?user=ada&session=ada-2&q=deploy+billing")
+    rows = page.locator("#provenance tr.search")
+    assert await rows.count() >= 1
+    link = rows.first.locator("a")
+    await expect(link).to_have_text("ada-1")
+    await link.click()
+    await expect(page.locator("h1")).to_have_text("Session ada-1")
+    await expect(page.locator("main")).to_contain_text("how do I deploy the billing service")
+
+
+async def test_every_view_works_with_javascript_off(new_context: NewContext, site: str
+                                                    ) -> None:
+    context = await new_context(javascript=False)
+    page = await context.new_page()
+    for _, path, texts in VIEWS:
+        await page.goto(site + path)
+        for text in texts:
+            await expect(page.locator("main")).to_contain_text(text)
+    await page.goto(site)
+    await expect(page.locator("form.dead button")).to_be_enabled()
+    await screenshot(page, "ui-pipeline-no-javascript")
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def own_site(tmp_path: Path) -> AsyncIterator[tuple[str, Fixture]]:
+    """A store of the test's own (replay changes it), served with the token set."""
+    filled = await fill_store(tmp_path)
+    server = serve_inspector(filled.settings, "127.0.0.1", 0, Access(TOKEN, loopback=True))
+    try:
+        yield server.url + "/ui", filled
+    finally:
+        server.close()
+
+
+async def test_replay_without_the_token_is_refused_and_with_it_stores_the_turn(
+        page: Page, own_site: tuple[str, Fixture]) -> None:
+    site, filled = own_site
+    await page.goto(site)
+    form = page.locator("form.dead")
+    await expect(form).to_contain_text(filled.dead_key)
+    for token in ("", "wrong-token-of-enough-length-000"):
+        await form.locator("input[name=token]").fill(token)
+        await form.locator("button").click()
+        await expect(page.locator("#error")).to_have_text(
+            "replay refused: wrong or missing token")
+        await page.goto(site)
+        await expect(page.locator("form.dead")).to_contain_text(filled.dead_key)
+    await screenshot(page, "ui-replay-refused")
+
+    await form.locator("input[name=token]").fill(TOKEN)
+    await form.locator("button").click()
+    await expect(page.locator("#notice")).to_have_text("1 replayed, 0 failed")
+    await expect(page.locator("#dead-letters")).to_contain_text("None: every accepted turn")
+    await page.goto(site + "/session?id=bob-1")
+    await expect(page.locator("main")).to_contain_text(POISON)
+    await screenshot(page, "ui-replayed")
+
+
+async def test_replay_is_off_without_a_token(page: Page, tmp_path: Path) -> None:
+    filled = await fill_store(tmp_path)
+    server = serve_inspector(filled.settings, "127.0.0.1", 0, Access(None, loopback=True))
+    try:
+        await page.goto(server.url + "/ui")
+        await expect(page.locator("form.dead button")).to_be_disabled()
+        await expect(page.locator("form.dead")).to_contain_text("Replay needs "
+                                                               "HERMES_MEMORY_UI_TOKEN")
+        # A request made without the page (a script, another site's form) is refused too.
+        answer = await page.request.post(server.url + "/ui/dead-letters/replay",
+                                         form={"key": filled.dead_key, "token": ""})
+        assert answer.status == 403
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def worker(tmp_path: Path) -> Iterator[str]:
+    """``hermes-memory worker --http 127.0.0.1:0`` on a store of its own; yields /ui's URL."""
+    env = {**os.environ, "HERMES_MEMORY_DB_PATH": str(tmp_path / "memory.db")}
+    exe = shutil.which("hermes-memory", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    proc = subprocess.Popen([exe, "worker", "--http", "127.0.0.1:0", "--log-format", "json"],
+                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 30
+        assert proc.stderr is not None
+        while url is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            event = json.loads(line)
+            if event.get("event") == "http_listening":
+                url = event["ui"]
+        assert url is not None, "the worker never said where it listens"
+        yield url
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+async def test_the_worker_serves_live_health_and_draws_the_charts(page: Page, worker: str
+                                                                  ) -> None:
+    await page.goto(worker)
+    await expect(page.locator("#health")).to_contain_text("State: open")
+    figures = page.locator("figure[data-chart]")
+    await expect(figures).to_have_count(5)
+    for i in range(5):
+        # Drawn by the vendored uPlot from series.json: a canvas, and at least one sample.
+        await expect(figures.nth(i).locator("canvas")).to_have_count(1)
+        assert int(await figures.nth(i).get_attribute("data-drawn") or 0) >= 1
+    await expect(page.locator("#charts")).to_contain_text("Recall hit rate")
+    await screenshot(page, "ui-worker-live")
+    log_of(page).assert_clean()

@@ -1,0 +1,177 @@
+"""Who may reach the memory inspector, over real HTTP on this machine: an address other
+machines can reach is refused without a token (one line, before anything is served); with
+one, every page asks for it; the worker mounts the pages beside /healthz and /metrics."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hermes_async_memory.ui.access import (
+    TOKEN_ENV,
+    Access,
+    UiAccessError,
+    check_bind,
+    is_loopback,
+    token_from_env,
+)
+from hermes_async_memory.ui.server import serve_inspector
+
+from .ui_fixtures import Fixture, fill_store
+
+TOKEN = "another-long-test-token-abcdefghij"
+EXE = shutil.which("hermes-memory", path=str(Path(sys.executable).parent))
+
+
+def get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    request = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return answer.status, dict(answer.headers), answer.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    assert EXE is not None
+    return subprocess.run([EXE, *args], env={**os.environ, **(env or {})}, text=True,
+                          capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory: pytest.TempPathFactory) -> Fixture:
+    import asyncio
+
+    return asyncio.run(fill_store(tmp_path_factory.mktemp("ui")))
+
+
+@pytest.mark.parametrize("command", [
+    ("ui", "--host", "0.0.0.0", "--port", "0"),
+    ("worker", "--http", "0.0.0.0:0"),
+])
+def test_an_open_address_without_a_token_refuses_to_start_with_one_line(
+        filled: Fixture, command: tuple[str, ...]) -> None:
+    env = {TOKEN_ENV: "", "HERMES_MEMORY_DB_PATH": str(filled.db)}
+    result = run(*command, env=env)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert TOKEN_ENV in lines[0] and "0.0.0.0" in lines[0] and "127.0.0.1" in lines[0]
+    assert result.stdout == ""
+
+
+def test_a_weak_token_is_refused() -> None:
+    with pytest.raises(UiAccessError, match="at least 16"):
+        token_from_env({TOKEN_ENV: "short"})
+    assert token_from_env({TOKEN_ENV: "  "}) is None
+    assert token_from_env({TOKEN_ENV: TOKEN}) == TOKEN
+
+
+@pytest.mark.parametrize(("host", "loopback"), [
+    ("127.0.0.1", True), ("127.8.9.1", True), ("::1", True), ("[::1]", True),
+    ("localhost", True), ("0.0.0.0", False), ("::", False), ("10.0.0.5", False),
+    ("example.internal", False),
+])
+def test_only_loopback_addresses_go_without_a_token(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+    if loopback:
+        check_bind(host, None)
+    else:
+        with pytest.raises(UiAccessError):
+            check_bind(host, None)
+        check_bind(host, TOKEN)
+
+
+def test_on_an_open_address_every_page_needs_the_token(filled: Fixture) -> None:
+    server = serve_inspector(filled.settings, "0.0.0.0", 0, Access.for_bind("0.0.0.0", TOKEN))
+    base = f"http://127.0.0.1:{server.port}/ui"
+    try:
+        for path in ("", "/users", "/session?id=ada-1", "/series.json"):
+            status, headers, body = get(base + path)
+            assert status == 401, path
+            assert headers["WWW-Authenticate"].startswith("Basic")
+            assert b"ada" not in body
+        wrong = base64.b64encode(b"me:" + b"x" * len(TOKEN)).decode()
+        assert get(base, {"Authorization": f"Basic {wrong}"})[0] == 401
+        right = base64.b64encode(f"me:{TOKEN}".encode()).decode()
+        status, _, body = get(base + "/users", {"Authorization": f"Basic {right}"})
+        assert status == 200 and b"ada" in body
+        status, _, body = get(base + "/users", {"Authorization": f"Bearer {TOKEN}"})
+        assert status == 200 and b"bob" in body
+        # The page's own files carry no memory: they load before the password prompt.
+        assert get(base + "/static/charts.js")[0] == 200
+    finally:
+        server.close()
+
+
+def test_answers_carry_the_security_headers_and_bad_requests_say_why(filled: Fixture) -> None:
+    server = serve_inspector(filled.settings, "127.0.0.1", 0, Access(None, loopback=True))
+    base = server.url + "/ui"
+    try:
+        status, headers, _ = get(base)
+        assert status == 200
+        csp = headers["Content-Security-Policy"]
+        assert "default-src 'none'" in csp and "script-src 'self'" in csp
+        assert "unsafe-inline" not in csp
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        assert headers["Cache-Control"] == "no-store"
+        status, _, body = get(base + "/users?page=minus-one")
+        assert status == 400 and b"page must be a number" in body
+        status, _, body = get(base + "/session?id=nobody")
+        assert status == 404 and b"no session" in body
+        status, _, body = get(base + "/search?q=%22unclosed&user=ada&syntax=fts5")
+        assert status == 400, body
+        assert get(base + "/static/../app.py")[0] == 404
+        assert get(base + "/nothing-here")[0] == 404
+        status, _, _ = get(server.url + "/")
+        assert status == 200  # / leads to /ui
+    finally:
+        server.close()
+
+
+def test_the_inspector_refuses_a_file_that_is_not_a_store(tmp_path: Path) -> None:
+    bogus = tmp_path / "notes.db"
+    bogus.write_text("not a database")
+    result = run("ui", "--db", str(bogus), "--port", "0")
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert str(bogus) in result.stderr
+
+
+@pytest.fixture
+def worker_without_ui(tmp_path: Path) -> Iterator[dict[str, str]]:
+    env = {**os.environ, "HERMES_MEMORY_DB_PATH": str(tmp_path / "memory.db"), TOKEN_ENV: ""}
+    assert EXE is not None
+    proc = subprocess.Popen([EXE, "worker", "--http", "0.0.0.0:0", "--no-ui", "--log-format",
+                             "json"], env=env, stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            event = json.loads(line)
+            if event.get("event") == "http_listening":
+                yield event
+                break
+        else:
+            raise AssertionError("the worker never listened")
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
+
+
+def test_no_ui_serves_health_and_metrics_on_an_open_address(
+        worker_without_ui: dict[str, str]) -> None:
+    assert worker_without_ui["ui"] is None
+    port = worker_without_ui["port"]
+    assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
+    assert get(f"http://127.0.0.1:{port}/ui")[0] == 404
