@@ -175,3 +175,42 @@ def test_no_ui_serves_health_and_metrics_on_an_open_address(
     port = worker_without_ui["port"]
     assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200
     assert get(f"http://127.0.0.1:{port}/ui")[0] == 404
+
+
+async def test_the_chart_series_turn_counters_into_rates(tmp_path: Path) -> None:
+    """Commits per second and the recall hit rate, from two real stats snapshots: the
+    turns committed between them over the time between them, and the share of prefetch
+    calls the cache answered."""
+    from hermes_async_memory import MemoryPipeline, Settings
+    from hermes_async_memory.ui.series import Series
+
+    series = Series(interval_s=10.0)
+    async with MemoryPipeline(Settings(db_path=tmp_path / "m.db")) as mem:
+        series.add(mem.stats(), at=1000.0)
+        for i in range(40):
+            mem.sync_turn(f"question {i}", f"answer {i}", session_id=f"s{i % 4}", user_id="u")
+        await mem.flush()
+        for i in range(4):
+            mem.prefetch("question", session_id=f"s{i}", user_id="u")
+        before = mem.stats()
+        series.add(before, at=1010.0)
+    data = series.as_json()
+    assert data["t"] == [1000.0, 1010.0]
+    assert data["commits_per_s"] == [None, 4.0]
+    asked = before.recall_hits + before.recall_misses
+    assert asked == 4
+    assert data["recall_hit_rate"] == [None, round(before.recall_hits / asked, 4)]
+    assert data["queued_turns"][1] == 0
+
+
+async def test_an_hour_of_samples_is_kept_and_no_more(tmp_path: Path) -> None:
+    from hermes_async_memory import MemoryPipeline, Settings
+    from hermes_async_memory.ui.series import Series
+
+    series = Series(interval_s=10.0)
+    async with MemoryPipeline(Settings(db_path=tmp_path / "m.db")) as mem:
+        stats = mem.stats()
+    for i in range(500):
+        series.add(stats, at=float(i * 10))
+    t = series.as_json()["t"]
+    assert len(t) == 361 and t[-1] - t[0] == 3600.0
