@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from .api import ProceduralMemory
-from .format import MIN_BUDGET_CHARS, ContextSettings, error_guidance, for_tools, summary
+from .format import MIN_BUDGET_CHARS, ContextSettings, error_guidance, for_tools_lines, summary
 
 LAST_CALLS = 10  # of the session's newest calls, whose tools the block covers
 
@@ -16,11 +16,19 @@ LAST_CALLS = 10  # of the session's newest calls, whose tools the block covers
 async def session_block(memory: ProceduralMemory, user_id: str | None, session_id: str,
                         settings: ContextSettings) -> str:
     """The block for a session's next turn ("" when its turns called no tool)."""
+    lines = await session_block_lines(memory, user_id, session_id, settings)
+    return "\n".join([text for text, _ in lines])
+
+
+async def session_block_lines(memory: ProceduralMemory, user_id: str | None, session_id: str,
+                              settings: ContextSettings) -> list[tuple[str, str | None]]:
+    """``session_block``'s lines, each with the tool it is about (None: the tags around
+    several tools, and the blank line between the guidance and the rest)."""
     newest = await memory.search(user_id, session_id=session_id, limit=LAST_CALLS)
     if not newest:
-        return ""
+        return []
     tools = list(dict.fromkeys(c.tool for c in newest))
-    parts = []
+    parts: list[list[tuple[str, str | None]]] = []
     budget = settings.budget
     # A tool that failed in the session's latest turn, not fixed since: what fixed it before.
     latest_at = newest[0].at
@@ -33,15 +41,20 @@ async def session_block(memory: ProceduralMemory, user_id: str | None, session_i
                                      limit=settings.max_recent_calls)
         guidance = error_guidance(failed.tool, failed, stats.get(failed.tool), fixes, settings)
         if guidance:
-            parts.append(guidance)
+            parts.append([(line, failed.tool) for line in guidance.split("\n")])
             budget -= len(guidance) + 2
     if budget >= MIN_BUDGET_CHARS:
         recent = {t: await memory.recent(user_id, t, settings.max_recent_calls) for t in tools}
         rest = dataclasses.replace(settings, max_chars=budget, max_tokens=None)
-        block = for_tools(stats, recent, rest)
+        block = for_tools_lines(stats, recent, rest)
         if block:
             parts.append(block)
-    return "\n\n".join(parts)
+    out: list[tuple[str, str | None]] = []
+    for part in parts:
+        if out:
+            out.append(("", None))
+        out.extend(part)
+    return out
 
 
 async def summary_block(memory: ProceduralMemory, user_id: str | None,

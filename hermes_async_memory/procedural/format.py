@@ -100,6 +100,16 @@ def for_tools(
     """A ``<procedural_memory>`` block for the tools about to be called: the tools of
     ``stats``, then those only in ``recent``, in the order given; a tool with no calls in
     either is left out."""
+    return "\n".join([text for text, _ in for_tools_lines(stats, recent, settings)])
+
+
+def for_tools_lines(
+    stats: Mapping[str, ToolStats],
+    recent: Mapping[str, Sequence[ToolCall]],
+    settings: ContextSettings,
+) -> list[tuple[str, str | None]]:
+    """``for_tools``'s block as its lines, each with the tool it is about (None: the
+    block's own tags); ``[]`` when the block is ``""``."""
     root = _Line("<procedural_memory>", close="</procedural_memory>", group=True)
     for index, tool in enumerate(dict.fromkeys([*stats, *recent])):
         stat = stats.get(tool)
@@ -109,10 +119,10 @@ def for_tools(
         if settings.compact:
             last = _newest(recent.get(tool, ()), 1)
             line = _compact_line(tool, stat, last[0] if last else None, settings)
-            root.children.append(_Line(line, drop=(_DROP_TOOL, index, 0)))
+            root.children.append(_Line(line, drop=(_DROP_TOOL, index, 0), tool=tool))
         else:
             root.children.append(_tool_section(index, tool, stat, calls, settings))
-    return _fit(root, settings.budget)
+    return _fit_lines(root, settings.budget)
 
 
 def error_guidance(
@@ -230,7 +240,8 @@ def _tool_section(
     settings: ContextSettings,
 ) -> _Line:
     section = _Line(
-        f'<tool name="{_attr(tool)}">', close="</tool>", group=True, drop=(_DROP_TOOL, index, 0)
+        f'<tool name="{_attr(tool)}">', close="</tool>", group=True, drop=(_DROP_TOOL, index, 0),
+        tool=tool,
     )
     if stat is not None and stat.calls:
         line = f"success: {_rate(stat.successes, stat.calls)}"
@@ -473,31 +484,39 @@ class _Line:
     group: bool = False
     # The rank it is left out by, highest first; None: it goes only with the line holding it.
     drop: tuple[int, int, int] | None = None
+    # The tool it is about (its lines' too, unless they name their own); None: no one tool.
+    tool: str | None = None
 
 
 def _fit(root: _Line, budget: int) -> str:
     """The block, with the least important lines left out until it fits ``budget``."""
+    return "\n".join([text for text, _ in _fit_lines(root, budget)])
+
+
+def _fit_lines(root: _Line, budget: int) -> list[tuple[str, str | None]]:
+    """``_fit``'s block as its lines, each with its tool (``_Line.tool``, inherited)."""
     while True:
-        lines: list[str] = []
-        _render(root, lines)
-        text = "\n".join(lines)
-        if len(text) <= budget:
-            return text
+        lines: list[tuple[str, str | None]] = []
+        _render(root, lines, None)
+        if len("\n".join([text for text, _ in lines])) <= budget:
+            return lines
         victim = max(_droppable(root), key=lambda pair: pair[1].drop or (0, 0, 0), default=None)
         if victim is None:
-            return ""
+            return []
         parent, line = victim
         parent.children.remove(line)
 
 
-def _render(line: _Line, out: list[str]) -> None:
+def _render(line: _Line, out: list[tuple[str, str | None]], tool: str | None) -> None:
     if line.group and not line.children:
         return
-    out.append(line.text)
+    if line.tool is not None:
+        tool = line.tool
+    out.append((line.text, tool))
     for child in line.children:
-        _render(child, out)
+        _render(child, out, tool)
     if line.close is not None:
-        out.append(line.close)
+        out.append((line.close, tool))
 
 
 def _droppable(line: _Line) -> Iterator[tuple[_Line, _Line]]:

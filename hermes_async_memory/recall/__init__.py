@@ -6,18 +6,25 @@
                           ▼
                        RecallCache ◄── commits (recent turns), warm-ups (stored recent turns)
     prefetch ──► RecallCache (a dict lookup)
+
+``preview_prefetch`` builds, from the store alone, the block a recall would leave there, each
+line with its source (for an inspector).
 """
 
 from __future__ import annotations
 
 from .cache import PrefetchStatus, RecallCache
+from .preview import PrefetchPreview, PreviewLine, preview_prefetch
 from .query import fold, match_expression, query_terms, quote, render_hits
 
 __all__ = [
+    "PrefetchPreview",
     "PrefetchStatus",
+    "PreviewLine",
     "RecallCache",
     "fold",
     "match_expression",
+    "preview_prefetch",
     "query_terms",
     "quote",
     "render_hits",

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 CacheKey = tuple[str | None, str]  # (user id, session id)
 MAX_DELETES_KEPT = 4096  # deleted sessions and users remembered against late results
 RECALL_HEADER = "Related memory:"
+RECENT_HEADER = "Recent turns in this session:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,21 +293,41 @@ class RecallCache:
                 del self._by_user[key[0]]
 
     def _render(self, entry: _Entry) -> str:
-        parts = []
-        shown = ""
-        if self._recent_turns and entry.recent:
-            lines = ["Recent turns in this session:"]
-            for _, user, assistant in tuple(entry.recent):
-                lines.append(f"- user: {user}")
-                if assistant:
-                    lines.append(f"- assistant: {assistant}")
-            shown = "\n".join(lines)
-            parts.append(shown)
-        if entry.recall_block:
-            block = _without_shown(entry.recall_block, shown) if shown else entry.recall_block
-            if block:
-                parts.append(block)
-        return "\n\n".join(parts)
+        recent = [(user, assistant) for _, user, assistant in tuple(entry.recent)]
+        lines = block_lines(recent if self._recent_turns else (), entry.recall_block)
+        return "\n".join([line[0] for line in lines])
+
+
+# A line of a prefetch block and which part of the cache entry it shows: (text, part,
+# position, role). part: "heading" (the recent turns'), "recent" (a recent turn's line),
+# "recall" (a line of the recall block) or "blank" (between the two); position: for
+# "recent" the turn's among the recent turns (oldest first), for "recall" the line's in the
+# recall block (``recall_block.split("\n")``), else -1; role: for "recent", "user" or
+# "assistant", else "". A plain tuple: a block is rendered after every commit of its session.
+BlockLine = tuple[str, str, int, str]
+
+
+def block_lines(recent: Sequence[tuple[str, str]], recall_block: str) -> list[BlockLine]:
+    """A prefetch block's lines: the recent turns ((user text, assistant text), oldest
+    first) under their heading, then a blank line and the recall block, without the hits
+    the recent turns already show (``_kept_lines``). What ``RecallCache.get`` serves,
+    joined by newlines."""
+    out: list[BlockLine] = []
+    shown = ""
+    if recent:
+        out.append((RECENT_HEADER, "heading", -1, ""))
+        for position, (user, assistant) in enumerate(recent):
+            out.append((f"- user: {user}", "recent", position, "user"))
+            if assistant:
+                out.append((f"- assistant: {assistant}", "recent", position, "assistant"))
+        shown = "\n".join([line[0] for line in out])
+    if recall_block:
+        lines = recall_block.split("\n")
+        kept = _kept_lines(recall_block, shown) if shown else range(len(lines))
+        if kept and out:
+            out.append(("", "blank", -1, ""))
+        out.extend([(lines[i], "recall", i, "") for i in kept])
+    return out
 
 
 def _deletes(record: Turn) -> bool:
@@ -320,22 +341,34 @@ def _nothing() -> None:
 
 
 def _without_shown(block: str, shown: str) -> str:
-    """The recall block without the hits whose text the recent turns already show; what
-    follows the hits after a blank line (the procedural block) is kept as it is, and the
-    hits' heading goes when no hit is left."""
+    """The recall block without the hits whose text the recent turns already show
+    (``_kept_lines``)."""
+    lines = block.split("\n")
+    return "\n".join([lines[i] for i in _kept_lines(block, shown)])
+
+
+def _kept_lines(block: str, shown: str) -> list[int]:
+    """The positions of the recall block's lines (``block.split("\n")``) left once the hits
+    whose text the recent turns already show are taken out; what follows the hits after a
+    blank line (the procedural block) is kept as it is, and the hits' heading goes when no
+    hit is left."""
     hits, _, rest = block.partition("\n\n")
     lines = hits.split("\n")
     if lines[0] != RECALL_HEADER:
-        return block  # a backend's block, or no hits: its own format
+        return list(range(block.count("\n") + 1))  # a backend's block, or no hits: as is
     kept = []
-    for line in lines[1:]:
+    for index, line in enumerate(lines[1:], 1):
         _, sep, text = line.partition("] ")
         core = " ".join(text.replace("…", " ").split())
         if sep and core and core in shown:
             continue
-        kept.append(line)
-    head = "\n".join([RECALL_HEADER, *kept]) if kept else ""
-    return f"{head}\n\n{rest}" if head and rest else head or rest
+        kept.append(index)
+    head = [0, *kept] if kept else []
+    # After the hits' lines, the blank line at len(lines), then the rest's lines.
+    tail = list(range(len(lines) + 1, len(lines) + 2 + rest.count("\n"))) if rest else []
+    if head and tail:
+        return [*head, len(lines), *tail]
+    return head or tail
 
 
 def _clip(text: str, limit: int) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import time
 import unicodedata
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from ..store import Hit
 from .cache import RECALL_HEADER
@@ -56,9 +56,9 @@ def match_expression(terms: Sequence[str], scope_token: str) -> str:
     return f"scope:{quote(scope_token)} AND content:({ors})"
 
 
-def render_hits(hits: Iterable[Hit], *, now: float | None = None) -> str:
-    """A compact block: one line a hit, newest context first by rank."""
-    lines = []
+def hit_lines(hits: Iterable[Hit]) -> Iterator[tuple[str, Hit]]:
+    """Each hit's line of the recall block, in rank order, with the hit it shows; a hit
+    whose words an earlier one already gave is left out."""
     seen = set()
     for h in hits:
         snippet = " ".join(h.snippet.split())
@@ -66,7 +66,20 @@ def render_hits(hits: Iterable[Hit], *, now: float | None = None) -> str:
             continue  # the same words said twice add nothing to the context
         seen.add(snippet)
         day = time.strftime("%Y-%m-%d", time.gmtime(h.timestamp))
-        lines.append(f"- [{day} {h.role}] {snippet}")
+        yield f"- [{day} {h.role}] {snippet}", h
+
+
+def render_hits(hits: Iterable[Hit], *, now: float | None = None) -> str:
+    """A compact block: one line a hit, newest context first by rank."""
+    lines = [line for line, _ in hit_lines(hits)]
     if not lines:
         return ""
     return RECALL_HEADER + "\n" + "\n".join(lines)
+
+
+def with_procedural(block: str, procedural: str) -> str:
+    """A recall's block: its hits (or a backend's block), then the session's procedural
+    block after a blank line."""
+    if not procedural:
+        return block
+    return f"{block}\n\n{procedural}" if block else procedural

@@ -31,15 +31,18 @@ from ..metrics import PipelineObserver
 from ..procedural.api import ProceduralMemory
 from ..procedural.context import session_block
 from ..procedural.format import ContextSettings
-from ..store import SqliteStore
+from ..store import Hit, SqliteStore, StoredTurn
 from ..turns import scope_token_for
 from .cache import CacheKey, RecallCache
-from .query import match_expression, query_terms, render_hits
+from .query import match_expression, query_terms, render_hits, with_procedural
 
 log = structlog.get_logger(__name__)
 
 # A recall waits at most this long for the turns accepted before it was queued.
 RECALL_BARRIER_S = 1.0
+# A warm-up reads this many times recent_turns of the session's last stored turns, and keeps
+# the user's own: another user may send the same session id.
+WARM_LOOKBACK = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +94,8 @@ class LocalRecaller:
             extra = ""
         if not extra:
             return recalled
-        block = f"{recalled.block}\n\n{extra}" if recalled.block else extra
-        return Recalled(block, recalled.source, recalled.fallback)
+        return Recalled(with_procedural(recalled.block, extra), recalled.source,
+                        recalled.fallback)
 
     async def _recall(self, query: str, user_id: str | None, session_id: str) -> Recalled:
         scope = scope_token_for(user_id, session_id)
@@ -149,11 +152,28 @@ class LocalRecaller:
         return Recalled(await self.search(terms, scope, self._limit), "local", fallback)
 
     async def search(self, terms: Sequence[str], scope: str, limit: int) -> str:
-        if not terms:
-            return ""
-        hits = await self._store.search(match_expression(terms, scope), limit=limit,
-                                        snippet_tokens=self._snippet_tokens)
-        return render_hits(hits)
+        return render_hits(await search_hits(self._store, terms, scope, limit=limit,
+                                             snippet_tokens=self._snippet_tokens))
+
+
+async def search_hits(store: SqliteStore, terms: Sequence[str], scope: str, *, limit: int,
+                      snippet_tokens: int) -> list[Hit]:
+    """The local recall's search: the scope's messages matching any of ``terms`` (none when
+    there are no terms), best first."""
+    if not terms:
+        return []
+    return await store.search(match_expression(terms, scope), limit=limit,
+                              snippet_tokens=snippet_tokens)
+
+
+async def stored_recent_turns(store: SqliteStore, user_id: str | None, session_id: str,
+                              recent_turns: int) -> list[StoredTurn]:
+    """What a warm-up loads into the cache for the (user, session): the user's own turns
+    among the session's last ``recent_turns * WARM_LOOKBACK`` stored turns, the newest
+    ``recent_turns`` of them (at least one), oldest first."""
+    n = max(1, recent_turns)
+    turns = await store.recent_stored_turns(session_id, n * WARM_LOOKBACK)
+    return [t for t in turns if t.user_id == user_id][-n:]
 
 
 class RecallService:
@@ -284,7 +304,8 @@ class RecallService:
         user_id, session_id = key
         epoch = self._cache.epoch()
         try:
-            turns = await self._store.recent_turns(session_id, self._recent_turns * 4)
+            turns = await stored_recent_turns(self._store, user_id, session_id,
+                                              self._recent_turns)
         except Exception as exc:  # the per-job boundary: a cold cache is not an error
             self.warm_errors += 1
             log.warning("cache_warm_failed", session_id=session_id, error=describe(exc),
@@ -292,6 +313,6 @@ class RecallService:
             return
         finally:
             self._warming.discard(key)
-        mine = [(k, u, a) for k, uid, u, a in turns if uid == user_id][-self._recent_turns:]
+        mine = [(t.key, t.user_text, t.assistant_text) for t in turns]
         if self._cache.warm(user_id, session_id, mine, self._clock(), epoch=epoch):
             self.sessions_warmed += 1

@@ -20,7 +20,7 @@ from .inbox import Inbox
 from .keys import DoneKeys
 from .lifecycle import Lifecycle
 from .memories import EntryRow, Memories
-from .messages import Hit, Messages
+from .messages import Hit, Messages, StoredTurn
 from .recalls import Recalls
 from .replica import ReplicaOutbox, ReplicaRow
 from .schema import SCHEMA, SCHEMA_VERSION
@@ -51,6 +51,7 @@ __all__ = [
     "Hit",
     "ReplicaRow",
     "SqliteStore",
+    "StoredTurn",
     "ToolLogConfig",
     "sql_literal",
 ]

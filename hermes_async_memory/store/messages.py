@@ -35,6 +35,22 @@ class Hit:
     snippet: str
 
 
+@dataclass(frozen=True, slots=True)
+class StoredTurn:
+    """A stored turn as the prefetch cache shows it: its first user text and its last
+    non-empty assistant text, each with the message it comes from (row id and timestamp;
+    None when the turn has no such message)."""
+
+    key: str
+    user_id: str | None
+    user_text: str
+    assistant_text: str
+    user_message_id: int | None = None
+    user_timestamp: float | None = None
+    assistant_message_id: int | None = None
+    assistant_timestamp: float | None = None
+
+
 class Messages(Connections):
     """Writes and reads of the messages, their index and the sessions."""
 
@@ -105,7 +121,13 @@ class Messages(Connections):
 
     async def refresh_frequent_terms(self, min_rows: int, ratio: float = 0.0) -> frozenset[str]:
         """Terms in more than ``max(min_rows, ratio * messages)`` messages: too common to
-        rank on. A scan of the whole vocabulary (~0.5 s at 1M messages), on a reader."""
+        rank on (``read_frequent_terms``), kept as ``frequent_terms`` for the recalls."""
+        self.frequent_terms = await self.read_frequent_terms(min_rows, ratio)
+        return self.frequent_terms
+
+    async def read_frequent_terms(self, min_rows: int, ratio: float = 0.0) -> frozenset[str]:
+        """Terms in more than ``max(min_rows, ratio * messages)`` messages. A scan of the
+        whole vocabulary (~0.5 s at 1M messages), on a reader; nothing is kept."""
         async with self.reader() as db:
             async with db.execute("SELECT coalesce(max(id), 0) FROM messages") as cur:
                 row = await cur.fetchone()
@@ -114,8 +136,7 @@ class Messages(Connections):
                 "SELECT term FROM messages_vocab WHERE col = 'content' AND doc > ?", (threshold,)
             ) as cur:
                 rows = await cur.fetchall()
-        self.frequent_terms = frozenset(r[0] for r in rows)
-        return self.frequent_terms
+        return frozenset(r[0] for r in rows)
 
     async def get_messages(self, session_id: str) -> list[dict[str, Any]]:
         """A session's messages in order, as seed 001's ``get_messages`` (``sql.MESSAGE_COLUMNS``,
@@ -128,17 +149,24 @@ class Messages(Connections):
                            ) -> list[tuple[str, str | None, str, str]]:
         """The session's last ``n`` stored turns, oldest first:
         (turn key, user id, first user text, last non-empty assistant text)."""
+        return [(t.key, t.user_id, t.user_text, t.assistant_text)
+                for t in await self.recent_stored_turns(session_id, n)]
+
+    async def recent_stored_turns(self, session_id: str, n: int) -> list[StoredTurn]:
+        """The session's last ``n`` stored turns, oldest first, with the messages their
+        texts come from."""
         async with self.reader() as db, db.execute(
-            "SELECT turn_key, user_id, role, content FROM messages WHERE session_id = ? AND "
-            "turn_key IN (SELECT turn_key FROM messages WHERE session_id = ? AND ordinal = 0 "
-            "ORDER BY id DESC LIMIT ?) ORDER BY id", (session_id, session_id, n),
+            "SELECT turn_key, user_id, role, content, id, timestamp FROM messages "
+            "WHERE session_id = ? AND turn_key IN (SELECT turn_key FROM messages "
+            "WHERE session_id = ? AND ordinal = 0 ORDER BY id DESC LIMIT ?) ORDER BY id",
+            (session_id, session_id, n),
         ) as cur:
             rows = await cur.fetchall()
         turns: dict[str, list[Any]] = {}
-        for key, user_id, role, content in rows:
-            turn = turns.setdefault(key, [key, user_id, "", ""])
-            if role == "user" and not turn[2]:
-                turn[2] = content or ""
-            elif role == "assistant" and content:
-                turn[3] = content
-        return [(t[0], t[1], t[2], t[3]) for t in turns.values()]
+        for key, user_id, role, content, message_id, timestamp in rows:
+            turn = turns.setdefault(key, [key, user_id, "", "", None, None, None, None])
+            if role == "user" and not turn[2]:  # the first user message with text
+                turn[2], turn[4], turn[5] = content or "", message_id, timestamp
+            elif role == "assistant" and content:  # the last assistant message with text
+                turn[3], turn[6], turn[7] = content, message_id, timestamp
+        return [StoredTurn(*t) for t in turns.values()]
