@@ -20,10 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import anyio.to_thread
+import structlog
 
+from ..errors import describe
 from ..procedural.api import ProceduralMemory
 from ..procedural.model import ToolStats
+from ..recall.preview import PrefetchPreview, preview_prefetch
 from ..sessions.reads import FileSessionReads, SearchHit, SessionChain, SessionInfo
 from ..settings import Settings
 from ..store import SqliteStore
@@ -31,6 +35,8 @@ from ..store.inspect import StoreReader
 from ..templates.model import Template
 from ..templates.outcome import TaskTypeStats
 from ..templates.store import TemplateReads
+
+log = structlog.get_logger(__name__)
 
 PAGE = 50  # rows a list shows at once
 DEAD_SHOWN = 100  # dead letters listed per kind
@@ -75,6 +81,10 @@ class InspectorReads:
     def __init__(self, store: SqliteStore, settings: Settings) -> None:
         self._store = store
         self.settings = settings
+        # The terms too common to search for, as a pipeline keeps them (store.frequent_terms):
+        # read in the background every frequent_terms_refresh_s, as reading them scans the
+        # whole vocabulary (~0.5 s at 1M messages), too long for a page.
+        self._terms_read = anyio.Event()
         self.path = store.path
         self.sessions = FileSessionReads(store)
         self.procedural = ProceduralMemory(store)
@@ -111,11 +121,25 @@ class InspectorReads:
             sources=sources, exclude_sources=exclude_sources, roles=roles, limit=PAGE,
             offset=page * PAGE)
 
-    async def preview(self, *, user_id: str | None, session_id: str, query: str) -> Any:
-        from ..recall.preview import preview_prefetch
-
+    async def preview(self, *, user_id: str | None, session_id: str, query: str
+                      ) -> PrefetchPreview:
+        await self._terms_read.wait()
         return await preview_prefetch(self._store, self.settings, user_id=user_id,
-                                      session_id=session_id, query=query)
+                                      session_id=session_id, query=query,
+                                      frequent_terms=self._store.frequent_terms)
+
+    async def keep_frequent_terms(self) -> None:
+        """Read the frequent terms now and every ``frequent_terms_refresh_s`` (a failed read
+        keeps the last set: a preview then searches a few more words)."""
+        s = self.settings
+        while True:
+            try:
+                await self._store.refresh_frequent_terms(s.frequent_term_rows,
+                                                         s.frequent_term_ratio)
+            except Exception as exc:
+                log.warning("ui_frequent_terms_failed", error=describe(exc))
+            self._terms_read.set()
+            await anyio.sleep(s.frequent_terms_refresh_s)
 
     # -- key-value, procedural, templates -------------------------------------------------
 
@@ -184,6 +208,12 @@ async def open_inspector_reads(path: Path | str, settings: Settings
     store = SqliteStore(Path(path), readers=4, busy_timeout_ms=settings.busy_timeout_ms)
     await store.open_readonly()
     try:
-        yield InspectorReads(store, settings)
+        reads = InspectorReads(store, settings)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(reads.keep_frequent_terms)
+            try:
+                yield reads
+            finally:
+                tg.cancel_scope.cancel()
     finally:
         await store.aclose()
