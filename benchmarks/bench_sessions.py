@@ -41,7 +41,7 @@ import sqlite3
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -140,12 +140,13 @@ def db_path_for(messages: int, spec: CorpusSpec) -> Path:
     return DATA_DIR / f"sessions-{messages}-{digest}.db"
 
 
-def session_plan(corpus: Corpus) -> dict[str, tuple[int, str, str]]:
+def session_plan(corpus: Corpus, sessions_per_user: int = SESSIONS_PER_USER
+                 ) -> dict[str, tuple[int, str, str]]:
     """Every session: id -> (user number, source, model)."""
     rng = random.Random(corpus.spec.seed + 2)
     plan = {}
     for u in range(corpus.spec.users):
-        for k in range(SESSIONS_PER_USER):
+        for k in range(sessions_per_user):
             source = rng.choices(SOURCES, SOURCE_WEIGHTS)[0]
             plan[corpus.session_id(u, k)] = (u, source, rng.choice(MODELS))
     return plan
@@ -169,16 +170,27 @@ def tool_turn(rng: random.Random, corpus: Corpus, u: int, n: int, user: str,
     ]
 
 
-async def build(path: Path, messages: int, corpus: Corpus) -> float:
+ToolTurn = Callable[[random.Random, Corpus, int, int, str, str], list[dict[str, Any]]]
+AfterTurns = Callable[[MemoryPipeline, dict[str, tuple[int, str, str]], random.Random],
+                      Awaitable[None]]
+
+
+async def build(path: Path, messages: int, corpus: Corpus, *,
+                plan: dict[str, tuple[int, str, str]] | None = None,
+                make_tool_turn: ToolTurn = tool_turn, after: AfterTurns | None = None) -> float:
     """Fill a new store through the pipeline, then move it into place (so a killed build
-    never leaves a half-built cache behind). Returns the seconds it took."""
+    never leaves a half-built cache behind). Returns the seconds it took.
+
+    For other benchmarks' stores (bench_ui): ``plan`` (default ``session_plan(corpus)``),
+    ``make_tool_turn`` (the messages of a turn with a tool call), and ``after``, awaited
+    once every turn is accepted, before the sessions are ended and the store flushed."""
     tmp = path.with_name(path.stem + ".building.db")
     for p in (tmp, tmp.with_name(tmp.name + "-wal"), tmp.with_name(tmp.name + "-shm")):
         p.unlink(missing_ok=True)
     shutil.rmtree(tmp.with_name(tmp.name + ".outbox"), ignore_errors=True)
     spec = corpus.spec
     rng = random.Random(spec.seed + 1)
-    plan = session_plan(corpus)
+    plan = session_plan(corpus) if plan is None else plan
     session_ids = list(plan)
     settings = Settings(
         db_path=tmp,
@@ -199,8 +211,8 @@ async def build(path: Path, messages: int, corpus: Corpus) -> float:
             user, assistant = corpus.turn(rng, u)
             md: dict[str, Any] = {"source": source, "model": model}
             if rng.random() < TOOL_TURN_SHARE:
-                msgs: list[dict[str, Any]] | None = tool_turn(rng, corpus, u, turns, user,
-                                                              assistant)
+                msgs: list[dict[str, Any]] | None = make_tool_turn(rng, corpus, u, turns,
+                                                                   user, assistant)
                 stored += 4
             else:
                 msgs = None
@@ -221,6 +233,8 @@ async def build(path: Path, messages: int, corpus: Corpus) -> float:
             if turns % 50_000 == 0:
                 print(f"  {stored:,} messages accepted, {time.perf_counter() - t0:.0f} s",
                       flush=True)
+        if after is not None:
+            await after(mem, plan, rng)
         for sid in rng.sample(session_ids, int(len(session_ids) * ENDED_SHARE)):
             mem.sessions.end_nowait(sid, "user_exit", user_id=corpus.user_id(plan[sid][0]))
         await mem.flush(timeout=FLUSH_TIMEOUT_S)
