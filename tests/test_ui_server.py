@@ -214,3 +214,41 @@ async def test_an_hour_of_samples_is_kept_and_no_more(tmp_path: Path) -> None:
         series.add(stats, at=float(i * 10))
     t = series.as_json()["t"]
     assert len(t) == 361 and t[-1] - t[0] == 3600.0
+
+
+async def test_a_search_of_only_common_words_over_everyone_shows_the_newest_first(
+        tmp_path: Path) -> None:
+    """Ranking every message that holds a common word is too slow for a page: over everyone's
+    messages, when each word is frequent, the newest matches come first and the page says
+    so; a user's own search, or one with a rarer word, stays ranked."""
+    import re
+
+    import anyio.to_thread
+
+    from hermes_async_memory import MemoryPipeline, Settings
+
+    settings = Settings(db_path=tmp_path / "m.db")
+    async with MemoryPipeline(settings) as mem:
+        for i in range(120):  # "weather" is in 120 messages: frequent (over 50)
+            mem.sync_turn(f"weather report {i}" + (" zanzibar" if i == 7 else ""), "noted",
+                          session_id=f"s{i % 6}", user_id=f"u{i % 3}")
+    server = serve_inspector(settings, "127.0.0.1", 0, Access(None, loopback=True))
+    try:
+        base = server.url + "/ui/search?q="
+
+        def page(query: str) -> str:
+            status, _, body = get(base + query)
+            assert status == 200, body
+            return body.decode()
+
+        everyone = await anyio.to_thread.run_sync(page, "weather")
+        assert 'id="order-notice"' in everyone
+        shown = [int(n) for n in re.findall(r"· message (\d+)</div>", everyone)]
+        assert len(shown) == 50 and shown == sorted(shown, reverse=True)
+        assert "report 119" in everyone  # the newest turn's message
+        for ranked in ("weather&user=u1", "weather+zanzibar"):
+            body = await anyio.to_thread.run_sync(page, ranked)
+            assert 'id="order-notice"' not in body, ranked
+        assert "report 7 " in await anyio.to_thread.run_sync(page, "weather+zanzibar")
+    finally:
+        server.close()

@@ -191,8 +191,10 @@ class SessionReads:
         syntax: str = "plain", sources: Sequence[str] | None = None,
         exclude_sources: Sequence[str] | None = None, roles: Sequence[str] | None = None,
         session_id: str | None = None, limit: int = 20, offset: int = 0,
+        order: str = "rank",
     ) -> list[SearchHit]:
-        """Messages matching ``query``, best first (bm25, then oldest), one page.
+        """Messages matching ``query``, best first (bm25, then oldest), one page; with
+        ``order="newest"`` the latest stored first, unranked (fast however many match).
 
         ``syntax="plain"``: ``query`` is data; a message matches when it holds every word
         (case and accents aside); operators and quotes in it are words or punctuation.
@@ -213,6 +215,8 @@ class SessionReads:
             PipelineClosedError: the pipeline is not open.
             StoreError: the store could not be read.
         """
+        if order not in ("rank", "newest"):
+            raise InvalidSearchError(f"order must be 'rank' or 'newest', got {order!r}")
         if not isinstance(all_users, bool):
             raise InvalidSearchError(f"all_users must be a bool, got {type(all_users).__name__}")
         user = _id("user_id", user_id, optional=True)
@@ -241,7 +245,7 @@ class SessionReads:
                 match, sources=only_sources, exclude_sources=not_sources, roles=only_roles,
                 session_id=session, user_id=user,
                 no_user=user is None and not all_users, limit=limit, offset=offset,
-                snippet_tokens=SNIPPET_TOKENS)
+                snippet_tokens=SNIPPET_TOKENS, newest=order == "newest")
         except sqlite3.OperationalError as exc:
             if is_fts5_syntax_error(exc):
                 raise InvalidSearchError(f"SQLite refused the query: {exc}") from exc

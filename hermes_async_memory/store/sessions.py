@@ -40,7 +40,7 @@ WITH hits AS MATERIALIZED (
     JOIN messages AS m ON m.id = messages_fts.rowid
     LEFT JOIN sessions AS s ON s.id = m.session_id
     WHERE messages_fts MATCH ?{filters}
-    ORDER BY messages_fts.rank, m.id
+    ORDER BY {hit_order}
     LIMIT ? OFFSET ?
 ){neighbours}"""
 # Everyone's messages (no user or session scope in the match): a common word matches a
@@ -56,7 +56,7 @@ WITH page AS MATERIALIZED (
     SELECT messages_fts.rowid AS id, messages_fts.rank AS score
     FROM messages_fts{page_join}
     WHERE messages_fts MATCH ?{filters}
-    ORDER BY messages_fts.rank, messages_fts.rowid
+    ORDER BY {page_order}
     LIMIT ? OFFSET ?
 ),
 hits AS MATERIALIZED (
@@ -82,7 +82,7 @@ LEFT JOIN messages AS p ON p.id = (
     SELECT max(id) FROM messages WHERE session_id = h.session_id AND id < h.id)
 LEFT JOIN messages AS n ON n.id = (
     SELECT min(id) FROM messages WHERE session_id = h.session_id AND id > h.id)
-ORDER BY h.score, h.id
+ORDER BY {order}
 """
 # Up from a session: each row is an ancestor's id (nearest first) and its row, if stored.
 # ``path`` holds the ids passed, so a cycle ends the walk.
@@ -125,10 +125,13 @@ class SessionQueries(Connections):
         self, match: str, *, sources: Sequence[str] | None = None,
         exclude_sources: Sequence[str] | None = None, roles: Sequence[str] | None = None,
         session_id: str | None = None, user_id: str | None = None, no_user: bool = False,
-        limit: int = 20, offset: int = 0, snippet_tokens: int = 32,
+        limit: int = 20, offset: int = 0, snippet_tokens: int = 32, newest: bool = False,
     ) -> list[dict[str, Any]]:
         """Messages matching ``match`` (an FTS5 expression the caller built, quoted and
-        scoped), best first (bm25, then id), with the session's source and model.
+        scoped), best first (bm25, then id), or with ``newest`` the latest stored first
+        (FTS5 walks its index by rowid and stops at the page: no match is ranked, which is
+        what a common word over everyone's messages needs), with the session's source and
+        model.
 
         Each row: id, session_id, user_id, role, tool_name, timestamp, source, model,
         snippet (matched words between ``SNIPPET_OPEN`` and ``SNIPPET_CLOSE``), score (bm25:
@@ -163,9 +166,13 @@ class SessionQueries(Connections):
             params.append(user_id)
         if no_user:
             filters.append("m.user_id IS NULL")
+        order = "h.id DESC" if newest else "h.score, h.id"
         marks = dict(open=SNIPPET_OPEN, close=SNIPPET_CLOSE, ellipsis=SNIPPET_ELLIPSIS,
                      filters="".join(f"\n      AND {f}" for f in filters),
-                     neighbours=_NEIGHBOURS.format(chars=CONTEXT_CHARS))
+                     neighbours=_NEIGHBOURS.format(chars=CONTEXT_CHARS, order=order),
+                     hit_order="m.id DESC" if newest else "messages_fts.rank, m.id",
+                     page_order=("messages_fts.rowid DESC" if newest
+                                 else "messages_fts.rank, messages_fts.rowid"))
         if session_id is None and user_id is None and not no_user:  # everyone's messages
             page_join = ""
             if filters:

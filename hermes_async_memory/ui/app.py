@@ -239,17 +239,19 @@ class InspectorApp:
     def _search(self, q: dict[str, str]) -> _Answer:
         text = q.get("q", "")[:MAX_QUERY_CHARS]
         form = {k: q.get(k, "") for k in ("q", "user", "session", "source", "exclude", "role",
-                                          "syntax")}
+                                          "syntax", "order")}
         form["q"] = text
         hits = None
+        order = form["order"] or "rank"
         page = _page_number(q)
         if text.strip():
-            hits = self._read(
+            order, hits = self._read(
                 self._reads.search, text, user_id=form["user"] or None,
                 session_id=form["session"] or None, sources=_list(form["source"]),
                 exclude_sources=_list(form["exclude"]), roles=_list(form["role"]),
-                syntax=form["syntax"] or "plain", page=page)
-        return self._page("search.html", title="Search", form=form, hits=hits, page=page)
+                syntax=form["syntax"] or "plain", order=order, page=page)
+        return self._page("search.html", title="Search", form=form, hits=hits, page=page,
+                          order=order)
 
     def _preview(self, q: dict[str, str]) -> _Answer:
         form = {k: q.get(k, "") for k in ("user", "session", "q")}
