@@ -10,11 +10,17 @@ from typing import Any, Protocol
 import pytest
 import pytest_asyncio
 import structlog
-from playwright.async_api import Browser, BrowserContext, Page, async_playwright
+from playwright.async_api import Browser, BrowserContext, Page
 
 from hermes_async_memory import MemoryPipeline, Settings
 
-from .browser import BrowserUnavailable, chromium_path, launch, open_context, require_browser_loop
+from .browser import (
+    BrowserUnavailable,
+    browser_in_this_loop,
+    chromium_path,
+    open_context,
+    require_browser_loop,
+)
 from .fake_honcho import FakeHoncho
 from .pg_server import PostgresServer, PostgresUnavailable
 from .processes import ROOT, Spawn, Worker, child_env
@@ -140,12 +146,8 @@ async def browser() -> AsyncIterator[Browser]:
         failure = str(exc)  # failed below, outside this block: one line, no chained error
     if failure is not None:
         pytest.fail(failure, pytrace=False)
-    async with async_playwright() as playwright:
-        launched = await launch(playwright)
-        try:
-            yield launched
-        finally:
-            await launched.close()
+    async with browser_in_this_loop() as launched:
+        yield launched
 
 
 class NewContext(Protocol):

@@ -252,3 +252,37 @@ async def test_a_search_of_only_common_words_over_everyone_shows_the_newest_firs
         assert "report 7 " in await anyio.to_thread.run_sync(page, "weather+zanzibar")
     finally:
         server.close()
+
+
+async def test_the_pipeline_page_names_a_failed_part_and_the_passing_troubles(
+        tmp_path: Path) -> None:
+    """The health the worker reports is what the page shows: the failed state with its cause,
+    and each condition (a full disk) with its detail. The health is given as /healthz would
+    read it from a pipeline in that state; the figures are a real pipeline's."""
+    import anyio.to_thread
+
+    from hermes_async_memory import MemoryPipeline, Settings
+    from hermes_async_memory.supervisor import Health
+    from hermes_async_memory.ui.server import Inspector
+    from hermes_async_memory.worker.wsgi import WsgiServer, serve_wsgi
+
+    settings = Settings(db_path=tmp_path / "m.db")
+    async with MemoryPipeline(settings) as mem:
+        mem.sync_turn("hello", "hi", session_id="s", user_id="u")
+        await mem.flush()
+        stats = mem.stats()
+    health = Health("failed", False, "writer: the store file is damaged (database disk image "
+                    "is malformed)", {"disk_full": "no space left on /var/lib/memory"})
+    inspector = Inspector(settings, Access(None, loopback=True), live=lambda: (health, stats))
+    server = WsgiServer(*serve_wsgi(inspector.app, "127.0.0.1", 0, name="test"),
+                        inspector.close)
+    try:
+        status, _, body = await anyio.to_thread.run_sync(get, server.url + "/ui")
+        text = body.decode()
+        assert status == 200
+        assert "State: <strong>failed</strong>" in text
+        assert "writer: the store file is damaged" in text
+        assert "<strong>disk_full</strong>: no space left on /var/lib/memory" in text
+        assert "Committed turns</th><td>1</td>" in text
+    finally:
+        await server.aclose()
