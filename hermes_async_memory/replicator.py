@@ -75,6 +75,8 @@ class Replicator:
         still say it is idle once its write is done."""
         if keys is not None:
             if self._announced is not None:
+                # Busy until the read says whether it took them: stats count them meanwhile.
+                self.idle = False
                 self._announced.extend(keys)
                 return
             if self._taken is not None and self._taken.issuperset(keys):
