@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -360,7 +361,8 @@ async def test_the_worker_process_runs_jobs_beside_its_pipeline(
     # One job at a time, oldest first: the recall's answer comes after the derived job.
     env = {"HERMES_MEMORY_BACKEND": "postgres", "HERMES_MEMORY_POSTGRES_DSN": pg_dsn,
            "HERMES_MEMORY_POSTGRES_JOB_CONCURRENCY": "1"}
-    worker = await spawn("-m", "workers", "--db", str(tmp_path / "w" / "memory.db"), env=env)
+    worker = await spawn("-m", "workers", "--db", str(tmp_path / "w" / "memory.db"),
+                         "--http", "127.0.0.1:0", env=env)
     await worker.until(lambda: any(
         rec.get("event") == "postgres_listening" and JOBS_CHANNEL in rec.get("channels", ())
         for rec in worker.logs), WAIT_S)
@@ -383,6 +385,26 @@ async def test_the_worker_process_runs_jobs_beside_its_pipeline(
     assert row is not None and tuple(row) == ("alice", "s1", "lanterns")
     assert await db.fetchval("SELECT count(*) FROM tool_calls WHERE pending") == 0
     assert await db.fetchval("SELECT count(*) FROM jobs") == 0
+
+    await worker.until(lambda: any(rec.get("event") == "http_listening"
+                                   for rec in worker.logs), WAIT_S)
+    [listening] = [rec for rec in worker.logs if rec.get("event") == "http_listening"]
+    url = f"http://127.0.0.1:{listening['port']}/metrics"
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return str(answer.read().decode())
+
+    # The counter moves just after the completion commits (which the NOTIFY above tells):
+    # scraped again, a scrape apart, until it does; the process gives no event for it.
+    with anyio.fail_after(WAIT_S):
+        while True:
+            metrics = await anyio.to_thread.run_sync(scrape)
+            if "hermes_memory_jobs_completed_total 2.0" in metrics:
+                break
+            await anyio.sleep(0.05)
+    assert "hermes_memory_jobs_failed_total 0.0" in metrics
+    assert "hermes_memory_jobs_running 0.0" in metrics
 
     worker.signal(signal.SIGTERM)
     assert await worker.finish() == 0

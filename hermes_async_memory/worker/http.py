@@ -17,7 +17,7 @@ import concurrent.futures
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 from wsgiref.simple_server import WSGIServer
@@ -134,6 +134,16 @@ _COUNTERS: tuple[tuple[str, str, _Field], ...] = (
     ("inbox_committed_turns", "Turns from the shared inbox committed by this worker.",
      lambda s: s.inbox_committed_turns),
 )
+# The shared-job runner's counters (backend "postgres"), as hermes_memory_jobs_<name>_total.
+_JOB_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("claims", "Claim queries made for shared jobs."),
+    ("claimed", "Shared jobs claimed under a lease."),
+    ("completed", "Shared jobs completed."),
+    ("failed", "Shared job runs that failed and go back for a retry."),
+    ("leases_lost", "Shared jobs whose lease was lost (another worker may take them)."),
+    ("dead", "Shared jobs given up after their last attempt."),
+    ("given_back", "Unfinished shared jobs handed back at stop."),
+)
 _UP_HELP = "1 while the pipeline is open, its workers are healthy and its loop answers; else 0."
 _LATENCY_HELP = "Write-to-recallable latency of recent turns (accept to commit), by quantile."
 
@@ -142,6 +152,7 @@ _LATENCY_HELP = "Write-to-recallable latency of recent turns (accept to commit),
 class _Snapshot:
     health: Health
     stats: PipelineStats
+    jobs: Mapping[str, int] | None = None  # the shared-job runner's counters, if one runs
 
     def problem(self) -> str | None:
         """Why the pipeline is unhealthy, or None."""
@@ -156,7 +167,9 @@ class _Probe:
     """Reads a pipeline's state on its own event loop, from another thread."""
 
     def __init__(self, pipeline: MemoryPipeline, loop: asyncio.AbstractEventLoop,
-                 timeout_s: float) -> None:
+                 timeout_s: float, jobs: Callable[[], Mapping[str, int]] | None = None
+                 ) -> None:
+        self._jobs = jobs
         self._pipeline = pipeline
         self._loop = loop
         self._timeout_s = timeout_s
@@ -185,7 +198,8 @@ class _Probe:
 
     def _read(self) -> _Snapshot:
         p = self._pipeline
-        return _Snapshot(health=p.health(), stats=p.stats())
+        return _Snapshot(health=p.health(), stats=p.stats(),
+                         jobs=None if self._jobs is None else self._jobs())
 
 
 class PrometheusObserver(PipelineObserver):
@@ -261,6 +275,15 @@ class _PipelineCollector:
             if stats is not None:
                 counter.add_metric([], field(stats))
             yield counter
+        jobs = None if snap is None else snap.jobs
+        if jobs is not None:
+            for name, help_ in _JOB_COUNTERS:
+                counter = CounterMetricFamily(f"{PREFIX}jobs_{name}", help_)
+                counter.add_metric([], jobs.get(name, 0))
+                yield counter
+            running = GaugeMetricFamily(PREFIX + "jobs_running", "Shared jobs running now.")
+            running.add_metric([], jobs.get("running", 0))
+            yield running
 
 
 class _App:
@@ -347,9 +370,11 @@ def start_http_server(
     observer: PrometheusObserver | None = None,
     stats_timeout_s: float = STATS_TIMEOUT_S,
     inspector: Access | None = None,
+    jobs: Callable[[], Mapping[str, int]] | None = None,
 ) -> HttpServer:
     """Serve /healthz and /metrics for ``pipeline`` (running on ``loop``) from a daemon thread,
-    and with ``inspector`` (its access rules) the memory inspector at /ui.
+    and with ``inspector`` (its access rules) the memory inspector at /ui. ``jobs``: the
+    shared-job runner's counters, read on the loop with the stats, for /metrics.
 
     ``port=0`` picks a free port; read it from ``HttpServer.port``. Pass the ``observer`` the
     pipeline was built with, so /metrics has its histograms; without one they stay empty.
@@ -359,7 +384,7 @@ def start_http_server(
         StoreError: the inspector cannot read the pipeline's store file.
     """
     observer = PrometheusObserver() if observer is None else observer
-    probe = _Probe(pipeline, loop, stats_timeout_s)
+    probe = _Probe(pipeline, loop, stats_timeout_s, jobs)
     ui = None
     if inspector is not None:
         from ..ui.server import Inspector

@@ -9,7 +9,8 @@
 With backend "postgres" the process also runs the shared jobs (``postgres.worker``): a
 runner beside the pipeline, under a supervisor of its own, that claims jobs queued by any
 machine (recalls, derived work) and gives back the unfinished ones when it stops. Its
-counters are in the "worker_stopped" line; its failure ends the process as the pipeline's.
+counters are in the "worker_stopped" line and on /metrics; its failure ends the process as
+the pipeline's.
 
 Exiting at once loses nothing: every accepted turn is already durable in the outbox, and the
 next start commits it exactly once.
@@ -304,7 +305,8 @@ async def _serve(
             # Off the loop: resolving and binding the address may wait on a name lookup.
             server = await anyio.to_thread.run_sync(
                 functools.partial(start_http_server, mem, asyncio.get_running_loop(), *http,
-                                  observer=observer, inspector=ui))
+                                  observer=observer, inspector=ui,
+                                  jobs=None if jobs is None else jobs.worker.stats))
             log.info("http_listening", host=server.host, port=server.port, url=server.url,
                      ui=None if ui is None else server.url + "/ui")
         log.info("worker_ready", db=str(settings.db_path), pid=os.getpid(),
