@@ -41,13 +41,13 @@ import inspect
 import os
 import re
 import shutil
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from playwright.async_api import (
     Browser,
@@ -136,6 +136,11 @@ class PageLog:
     console_errors: list[str] = field(default_factory=list)
     page_errors: list[str] = field(default_factory=list)
     csp_violations: list[dict[str, Any]] = field(default_factory=list)
+    # Set at each event recorded (``noted``): what ``wait_for`` waits on.
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def noted(self) -> None:
+        self.changed.set()
 
     def problems(self) -> list[str]:
         return ([f"console error: {text}" for text in self.console_errors]
@@ -150,12 +155,14 @@ class PageLog:
                        timeout_s: float = 5.0) -> None:
         """Wait until ``condition(self)`` is true: the events arrive asynchronously, possibly
         after ``goto`` has returned."""
-        deadline = time.monotonic() + timeout_s
-        while not condition(self):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"not reported within {timeout_s} s; so far: "
-                                     f"{self.problems() or 'nothing'}")
-            await asyncio.sleep(0.02)
+        try:
+            with anyio.fail_after(timeout_s):
+                while not condition(self):
+                    self.changed.clear()
+                    await self.changed.wait()
+        except TimeoutError:
+            raise AssertionError(f"not reported within {timeout_s} s; so far: "
+                                 f"{self.problems() or 'nothing'}") from None
 
 
 _LOG_ATTR = "_hermes_test_log"
@@ -177,9 +184,11 @@ def _watch(page: Page) -> None:
     def on_console(message: ConsoleMessage) -> None:
         if message.type == "error":
             log.console_errors.append(message.text)
+            log.noted()
 
     def on_pageerror(error: Error) -> None:
         log.page_errors.append(f"{error.name}: {error.message}")
+        log.noted()
 
     page.on("console", on_console)
     page.on("pageerror", on_pageerror)
@@ -188,7 +197,9 @@ def _watch(page: Page) -> None:
 def _csp_report(source: dict[str, Any], violation: dict[str, Any]) -> None:
     page = source.get("page")
     if page is not None:
-        log_of(page).csp_violations.append(violation)
+        log = log_of(page)
+        log.csp_violations.append(violation)
+        log.noted()
 
 
 async def open_context(browser: Browser, *, javascript: bool = True,

@@ -294,8 +294,7 @@ class RecallCache:
 
     def _render(self, entry: _Entry) -> str:
         recent = [(user, assistant) for _, user, assistant in tuple(entry.recent)]
-        lines = block_lines(recent if self._recent_turns else (), entry.recall_block)
-        return "\n".join([line[0] for line in lines])
+        return block_text(recent if self._recent_turns else (), entry.recall_block)
 
 
 # A line of a prefetch block and which part of the cache entry it shows: (text, part,
@@ -307,20 +306,45 @@ class RecallCache:
 BlockLine = tuple[str, str, int, str]
 
 
+def _recent_lines(recent: Sequence[tuple[str, str]]) -> list[str]:
+    """The recent turns' part of a block: the heading, then each turn's user and (when it
+    has one) assistant line."""
+    lines = [RECENT_HEADER]
+    for user, assistant in recent:
+        lines.append(f"- user: {user}")
+        if assistant:
+            lines.append(f"- assistant: {assistant}")
+    return lines
+
+
+def block_text(recent: Sequence[tuple[str, str]], recall_block: str) -> str:
+    """The prefetch block ``RecallCache.get`` serves: the recent turns ((user text, assistant
+    text), oldest first) under their heading, a blank line, and the recall block without the
+    hits the recent turns already show. Rendered at the first prefetch after each change of
+    the entry, so strings only; ``block_lines`` gives the same lines with their parts."""
+    shown = "\n".join(_recent_lines(recent)) if recent else ""
+    block = _without_shown(recall_block, shown) if recall_block and shown else recall_block
+    if shown and block:
+        return f"{shown}\n\n{block}"
+    return shown or block
+
+
 def block_lines(recent: Sequence[tuple[str, str]], recall_block: str) -> list[BlockLine]:
     """A prefetch block's lines: the recent turns ((user text, assistant text), oldest
     first) under their heading, then a blank line and the recall block, without the hits
     the recent turns already show (``_kept_lines``). What ``RecallCache.get`` serves,
-    joined by newlines."""
+    joined by newlines (``block_text``)."""
     out: list[BlockLine] = []
     shown = ""
     if recent:
-        out.append((RECENT_HEADER, "heading", -1, ""))
-        for position, (user, assistant) in enumerate(recent):
-            out.append((f"- user: {user}", "recent", position, "user"))
+        texts = _recent_lines(recent)
+        out.append((texts[0], "heading", -1, ""))
+        parts = iter(texts[1:])
+        for position, (_, assistant) in enumerate(recent):
+            out.append((next(parts), "recent", position, "user"))
             if assistant:
-                out.append((f"- assistant: {assistant}", "recent", position, "assistant"))
-        shown = "\n".join([line[0] for line in out])
+                out.append((next(parts), "recent", position, "assistant"))
+        shown = "\n".join(texts)
     if recall_block:
         lines = recall_block.split("\n")
         kept = _kept_lines(recall_block, shown) if shown else range(len(lines))
@@ -341,34 +365,45 @@ def _nothing() -> None:
 
 
 def _without_shown(block: str, shown: str) -> str:
-    """The recall block without the hits whose text the recent turns already show
-    (``_kept_lines``)."""
-    lines = block.split("\n")
-    return "\n".join([lines[i] for i in _kept_lines(block, shown)])
-
-
-def _kept_lines(block: str, shown: str) -> list[int]:
-    """The positions of the recall block's lines (``block.split("\n")``) left once the hits
-    whose text the recent turns already show are taken out; what follows the hits after a
-    blank line (the procedural block) is kept as it is, and the hits' heading goes when no
-    hit is left."""
+    """The recall block without the hits whose text the recent turns already show; what
+    follows the hits after a blank line (the procedural block) is kept as it is, and the
+    hits' heading goes when no hit is left. Strings only: it runs at a prefetch."""
     hits, _, rest = block.partition("\n\n")
     lines = hits.split("\n")
     if lines[0] != RECALL_HEADER:
-        return list(range(block.count("\n") + 1))  # a backend's block, or no hits: as is
-    kept = []
-    for index, line in enumerate(lines[1:], 1):
-        _, sep, text = line.partition("] ")
-        core = " ".join(text.replace("…", " ").split())
-        if sep and core and core in shown:
-            continue
-        kept.append(index)
+        return block  # a backend's block, or no hits: its own format
+    kept = [lines[i] for i in _kept_hits(lines, shown)]
+    head = "\n".join([RECALL_HEADER, *kept]) if kept else ""
+    return f"{head}\n\n{rest}" if head and rest else head or rest
+
+
+def _kept_lines(block: str, shown: str) -> list[int]:
+    """``_without_shown`` as the positions of the block's lines (``block.split("\n")``) it
+    keeps, for ``block_lines``."""
+    hits, _, rest = block.partition("\n\n")
+    lines = hits.split("\n")
+    if lines[0] != RECALL_HEADER:
+        return list(range(block.count("\n") + 1))
+    kept = _kept_hits(lines, shown)
     head = [0, *kept] if kept else []
     # After the hits' lines, the blank line at len(lines), then the rest's lines.
     tail = list(range(len(lines) + 1, len(lines) + 2 + rest.count("\n"))) if rest else []
     if head and tail:
         return [*head, len(lines), *tail]
     return head or tail
+
+
+def _kept_hits(lines: list[str], shown: str) -> list[int]:
+    """The positions of the hit lines (after the heading, ``lines[0]``) whose text the
+    recent turns (``shown``) do not already show."""
+    kept = []
+    for index in range(1, len(lines)):
+        _, sep, text = lines[index].partition("] ")
+        core = " ".join(text.replace("…", " ").split())
+        if sep and core and core in shown:
+            continue
+        kept.append(index)
+    return kept
 
 
 def _clip(text: str, limit: int) -> str:

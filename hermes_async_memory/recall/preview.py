@@ -30,7 +30,7 @@ from ..procedural.context import session_block_lines
 from ..settings import Settings
 from ..store import SqliteStore, StoredTurn
 from ..turns import check_id, scope_token_for
-from .cache import RECALL_HEADER, _clip, block_lines
+from .cache import RECALL_HEADER, _clip, block_lines, block_text
 from .query import hit_lines, query_terms, render_hits, with_procedural
 from .service import search_hits, stored_recent_turns
 
@@ -135,8 +135,9 @@ async def preview_prefetch(store: SqliteStore, settings: Settings, *, user_id: s
             out.append(PreviewLine(text, "heading", session_id=session_id))
         else:
             out.append(PreviewLine(text, "blank"))
-    lines = tuple(out)
-    return PrefetchPreview("\n".join([line.text for line in lines]), lines, terms)
+    # The block as the cache renders it: the lines must make it up (PrefetchPreview checks).
+    block = block_text(recent if settings.recent_turns else (), recall_block)
+    return PrefetchPreview(block, tuple(out), terms)
 
 
 async def _recall_lines(store: SqliteStore, settings: Settings, user_id: str | None,
