@@ -6,12 +6,6 @@ leaves a screenshot in the artifacts folder (tests/browser.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -24,7 +18,7 @@ from hermes_async_memory.ui.server import serve_inspector
 
 from .browser import BROWSER_LOOP, log_of, screenshot
 from .conftest import NewContext
-from .ui_fixtures import HOSTILE, POISON, Fixture, fill_store
+from .ui_fixtures import HOSTILE, POISON, Fixture, fill_store, http_worker
 
 pytestmark = BROWSER_LOOP
 
@@ -170,28 +164,8 @@ async def test_replay_is_off_without_a_token(page: Page, tmp_path: Path) -> None
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[str]:
     """``hermes-memory worker --http 127.0.0.1:0`` on a store of its own; yields /ui's URL."""
-    env = {**os.environ, "HERMES_MEMORY_DB_PATH": str(tmp_path / "memory.db")}
-    exe = shutil.which("hermes-memory", path=str(Path(sys.executable).parent))
-    assert exe is not None
-    proc = subprocess.Popen([exe, "worker", "--http", "127.0.0.1:0", "--log-format", "json"],
-                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                            text=True)
-    try:
-        url = None
-        deadline = time.monotonic() + 30
-        assert proc.stderr is not None
-        while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            event = json.loads(line)
-            if event.get("event") == "http_listening":
-                url = event["ui"]
-        assert url is not None, "the worker never said where it listens"
-        yield url
-    finally:
-        proc.terminate()
-        assert proc.wait(30) == 0
+    with http_worker(tmp_path / "memory.db") as listening:
+        yield str(listening["ui"])
 
 
 async def test_the_worker_serves_live_health_and_draws_the_charts(page: Page, worker: str

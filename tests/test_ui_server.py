@@ -5,7 +5,6 @@ one, every page asks for it; the worker mounts the pages beside /healthz and /me
 from __future__ import annotations
 
 import base64
-import json
 import os
 import shutil
 import subprocess
@@ -14,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,7 +27,7 @@ from hermes_async_memory.ui.access import (
 )
 from hermes_async_memory.ui.server import serve_inspector
 
-from .ui_fixtures import Fixture, fill_store
+from .ui_fixtures import Fixture, fill_store, http_worker
 
 TOKEN = "another-long-test-token-abcdefghij"
 EXE = shutil.which("hermes-memory", path=str(Path(sys.executable).parent))
@@ -149,28 +149,14 @@ def test_the_inspector_refuses_a_file_that_is_not_a_store(tmp_path: Path) -> Non
 
 
 @pytest.fixture
-def worker_without_ui(tmp_path: Path) -> Iterator[dict[str, str]]:
-    env = {**os.environ, "HERMES_MEMORY_DB_PATH": str(tmp_path / "memory.db"), TOKEN_ENV: ""}
-    assert EXE is not None
-    proc = subprocess.Popen([EXE, "worker", "--http", "0.0.0.0:0", "--no-ui", "--log-format",
-                             "json"], env=env, stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            event = json.loads(line)
-            if event.get("event") == "http_listening":
-                yield event
-                break
-        else:
-            raise AssertionError("the worker never listened")
-    finally:
-        proc.terminate()
-        assert proc.wait(30) == 0
+def worker_without_ui(tmp_path: Path) -> Iterator[dict[str, Any]]:
+    with http_worker(tmp_path / "memory.db", "--no-ui", host="0.0.0.0",
+                     env={TOKEN_ENV: ""}) as listening:
+        yield listening
 
 
 def test_no_ui_serves_health_and_metrics_on_an_open_address(
-        worker_without_ui: dict[str, str]) -> None:
+        worker_without_ui: dict[str, Any]) -> None:
     assert worker_without_ui["ui"] is None
     port = worker_without_ui["port"]
     assert get(f"http://127.0.0.1:{port}/healthz")[0] == 200

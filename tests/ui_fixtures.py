@@ -7,8 +7,15 @@ dead letter is there with its reason, as ``test_admin_cli`` makes one.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,3 +111,33 @@ async def fill_store(tmp: Path) -> Fixture:
     finally:
         await mem.aclose()
     return Fixture(settings.db_path, settings, ("ada", "bob"), dead.key, "ada-1")
+
+
+@contextlib.contextmanager
+def http_worker(db: Path, *args: str, host: str = "127.0.0.1",
+                env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    """``hermes-memory worker --http HOST:0 ARGS`` on ``db``; yields its
+    "http_listening" log line (``port``, ``url``, ``ui``); stopped with SIGTERM after, and
+    must exit 0. A worker that says nothing for 30 s is killed (its output then ends)."""
+    exe = shutil.which("hermes-memory", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    proc = subprocess.Popen(
+        [exe, "worker", "--http", f"{host}:0", *args, "--log-format", "json"],
+        env={**os.environ, "HERMES_MEMORY_DB_PATH": str(db), **(env or {})},
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    watchdog = threading.Timer(30.0, proc.kill)
+    watchdog.start()
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            event = json.loads(line)
+            if event.get("event") == "http_listening":
+                watchdog.cancel()
+                yield event
+                break
+        else:
+            raise AssertionError(f"the worker never listened (exit {proc.wait(30)})")
+    finally:
+        watchdog.cancel()
+        proc.terminate()
+        assert proc.wait(30) == 0
