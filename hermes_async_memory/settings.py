@@ -14,7 +14,7 @@ from typing import Literal
 import platformdirs
 
 from .backends.honcho import HonchoConfig
-from .env import read_env
+from .env import PARSE, read_env
 from .errors import ConfigurationError
 from .logs import redact_credentials
 from .procedural.extract import OutcomeRules
@@ -47,6 +47,25 @@ MIB = 1024 * 1024
 def default_db_path() -> Path:
     """The store file in the user's data directory."""
     return platformdirs.user_data_path(APP_NAME) / "memory.db"
+
+
+def parse_backend(text: str) -> BackendName:
+    """``HERMES_MEMORY_BACKEND`` (and a config file's ``backend``), read as seed 000 reads
+    its variable of that name, case and spaces aside: ``local`` is the local SQLite store
+    alone, i.e. no replica (``null``, the name this library had for it, still reads the
+    same); ``honcho`` and ``postgres`` are the replicas.
+
+    Raises:
+        ValueError: another value.
+    """
+    name = text.strip().lower()
+    if name == "local":
+        return "null"
+    for backend in BACKENDS:
+        if name == backend:
+            return backend
+    raise ValueError(f"must be one of local, honcho, postgres (null: the same as local), "
+                     f"got {text!r:.40}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +134,8 @@ class Settings:
     # The replica backend built when the pipeline is given none: "null" (the local store
     # only), "honcho", configured by ``honcho`` (from HONCHO_* variables in from_env), or
     # "postgres", the shared store at ``postgres_dsn`` (key-value writes mirrored too).
-    backend: BackendName = "null"
+    # HERMES_MEMORY_BACKEND sets it with seed 000's values: "local" is "null" (parse_backend).
+    backend: BackendName = field(default="null", metadata={PARSE: parse_backend})
     honcho: HonchoConfig | None = None
     # The key-value memory's backend (``pipeline.memory``): "local" (this store), "honcho"
     # (this store, each write mirrored to Honcho: needs backend "honcho"), "null" (stores
@@ -266,6 +286,13 @@ class Settings:
         ``HERMES_MEMORY_BACKEND=honcho`` the ``HONCHO_*`` ones (see ``HonchoConfig``), and
         ``DATABASE_URL`` as the PostgreSQL DSN when it is a postgresql:// URL and
         ``HERMES_MEMORY_POSTGRES_DSN`` is not set.
+
+        ``HERMES_MEMORY_BACKEND`` is seed 000's variable, with its meaning: ``local`` keeps
+        memory in the local SQLite store alone (``backend`` "null": nothing replicated; the
+        key-value memory, ``kv_backend`` "auto", is then the local store), ``honcho`` mirrors
+        it to Honcho. The replicas' values still select them: ``null`` reads as ``local``,
+        ``postgres`` is the shared PostgreSQL store (``parse_backend``). Set explicitly, it
+        wins over ``HONCHO_API_KEY``; unset, the key picks Honcho (``auto_backend``).
 
         Raises:
             ConfigurationError: a variable does not parse as its field's type.

@@ -4,8 +4,10 @@ search, isolation, and exactly-once in-order commits across SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,23 @@ async def test_store_retrieve_update_delete_on_a_real_file(settings: Settings) -
         got = await mem.memory.retrieve("ann", "shell")
         assert got is not None and got.value == "fish"
         assert await mem.memory.counts() == (1, 1)
+
+
+def test_an_entry_needs_only_a_key_and_a_value() -> None:
+    before = time.time()
+    entry = MemoryEntry("editor", "vim")
+    assert (entry.key, entry.value, entry.user_id, entry.metadata) == ("editor", "vim", "", {})
+    assert before <= entry.created_at <= time.time()
+    assert entry.updated_at == entry.created_at  # not updated since
+    assert MemoryEntry("k", "v").metadata is not entry.metadata  # each its own
+    # Given times are kept; an updated_at left out is the created_at given.
+    assert MemoryEntry("k", "v", "ann", 5.0).updated_at == 5.0
+    full = MemoryEntry("k", "v", "ann", 5.0, 7.0, {"n": 1})
+    assert (full.created_at, full.updated_at, full.metadata) == (5.0, 7.0, {"n": 1})
+    named = MemoryEntry(key="k", value="v", user_id="ann")
+    assert named.user_id == "ann" and named.updated_at == named.created_at > 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        entry.value = "emacs"  # type: ignore[misc]
 
 
 async def test_users_never_see_each_others_entries(mem: MemoryPipeline) -> None:

@@ -62,18 +62,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 async def _run(settings: Any, operations: int) -> dict[str, Any]:
-    import tempfile
+    from ..memory.evaluation import evaluate_scratch
 
-    from ..memory.evaluation import evaluate_backends
-    from ..pipeline import MemoryPipeline
-
-    with tempfile.TemporaryDirectory(prefix="hermes-memory-eval-") as scratch:
-        local = settings.replace(db_path=Path(scratch) / "eval.db", role="embedded")
-        async with MemoryPipeline(local) as pipeline:
-            report = await evaluate_backends(pipeline, operations=operations)
-    report["scratch_store"] = "a temporary folder, removed after the run"
-    report["your_store"] = str(settings.db_path)
-    return report
+    return await evaluate_scratch(settings, operations=operations)
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Coroutine, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from ..errors import HermesMemoryError
 from ..ops import lane_of
@@ -35,6 +35,7 @@ from .entries import (
 
 if TYPE_CHECKING:
     from ..pipeline import MemoryPipeline
+    from ..settings import KvBackendName
 
 T = TypeVar("T")
 
@@ -207,14 +208,20 @@ def _at_once(coro: Coroutine[Any, Any, T]) -> T:
 Memory = KeyValueMemory | NullMemory
 
 
+def kv_choice(kv_backend: KvBackendName, replica: str) -> Literal["local", "honcho", "null"]:
+    """The key-value backend ``kv_backend`` names (``Settings.kv_backend``) beside the
+    replica backend named ``replica``: "auto" is Honcho when that is Honcho, else the local
+    store."""
+    if kv_backend == "auto":
+        return "honcho" if replica == "honcho" else "local"
+    return kv_backend
+
+
 def memory_for(pipeline: MemoryPipeline) -> Memory:
-    """The key-value backend ``pipeline``'s settings choose (``Settings.kv_backend``):
-    "auto" is Honcho when the pipeline replicates to Honcho, else the local store."""
-    choice = pipeline.settings.kv_backend
+    """The key-value backend ``pipeline``'s settings choose (``kv_choice``)."""
+    choice = kv_choice(pipeline.settings.kv_backend, pipeline.backend.name)
     if choice == "null":
         return NullMemory()
-    if choice == "auto":
-        choice = "honcho" if pipeline.backend.name == "honcho" else "local"
     if choice == "honcho":
         if pipeline.store.replica is not None:
             pipeline.store.replica_kv = True  # each write's commit queues it for Honcho

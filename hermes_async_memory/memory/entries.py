@@ -4,6 +4,7 @@ accepted (its record's format is ``ops``)."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,14 +22,24 @@ class InvalidEntryError(InvalidTurnError):
 
 @dataclass(frozen=True, slots=True)
 class MemoryEntry:
-    """One key-value entry of a user's memory."""
+    """One key-value entry of a user's memory.
+
+    ``MemoryEntry(key, value)`` is enough, as with seed 000's: ``user_id`` defaults to ""
+    (no user), ``created_at`` left 0 is now, ``updated_at`` left 0 is ``created_at`` (not
+    updated since), and ``metadata`` is empty."""
 
     key: str
     value: str
-    user_id: str
-    created_at: float
-    updated_at: float
+    user_id: str = ""
+    created_at: float = 0.0
+    updated_at: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.created_at:
+            object.__setattr__(self, "created_at", time.time())
+        if not self.updated_at:
+            object.__setattr__(self, "updated_at", self.created_at)
 
     def as_dict(self) -> dict[str, Any]:
         return {"key": self.key, "value": self.value, "user_id": self.user_id,

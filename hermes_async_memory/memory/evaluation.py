@@ -17,12 +17,15 @@ which the report prints with the scores.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HermesMemoryError, describe
@@ -31,6 +34,7 @@ from .backends import BackendLimitError, HonchoMemory, Memory, NullMemory
 
 if TYPE_CHECKING:
     from ..pipeline import MemoryPipeline
+    from ..settings import Settings
 
 CHECKS = ("store", "retrieve", "query", "list", "delete", "isolation")
 LATENCY_OPS = ("store", "store_visible", "retrieve", "query", "recall", "delete",
@@ -340,6 +344,35 @@ async def evaluate_backends(pipeline: MemoryPipeline, *, operations: int = 200,
         "evaluations": [asdict(e) for e in evaluations],
         "recommendation": recommendation(evaluations),
     }
+
+
+async def evaluate_scratch(settings: Settings, *, operations: int = 200,
+                           scoring: Scoring = SCORING) -> dict[str, Any]:
+    """``evaluate_backends`` on a scratch store in a temporary folder, removed after: never on
+    your memory (the store at ``settings.db_path``), which the report names (``your_store``).
+    The backends are those ``settings`` offer; Honcho's figures, when it is configured, come
+    from the configured server, on scratch users removed after."""
+    from ..pipeline import MemoryPipeline
+
+    with tempfile.TemporaryDirectory(prefix="hermes-memory-eval-") as scratch:
+        local = settings.replace(db_path=Path(scratch) / "eval.db", role="embedded")
+        async with MemoryPipeline(local) as pipeline:
+            report = await evaluate_backends(pipeline, operations=operations, scoring=scoring)
+    report["scratch_store"] = "a temporary folder, removed after the run"
+    report["your_store"] = str(settings.db_path)
+    return report
+
+
+def evaluate_scratch_blocking(settings: Settings, *, operations: int = 200,
+                              scoring: Scoring = SCORING) -> dict[str, Any]:
+    """``evaluate_scratch`` for synchronous code (seed 000's ``evaluate_backends()``): it runs
+    on an event loop of its own.
+
+    Raises:
+        RuntimeError: called from a thread that runs an event loop (await
+            ``evaluate_scratch`` there).
+    """
+    return asyncio.run(evaluate_scratch(settings, operations=operations, scoring=scoring))
 
 
 def compare(now: Mapping[str, Any], before: Mapping[str, Any]) -> list[dict[str, Any]]:
