@@ -27,6 +27,8 @@ from typing import Any, NamedTuple
 
 from .templates.model import InvalidTemplateError, Template
 
+ID_DIGITS = 19  # a record's id slot: an int64 in decimal (see turns.ID_SLOT)
+
 OP_KV = "kv"
 OP_SESSION = "session"
 OP_TEMPLATE = "template"
@@ -39,8 +41,10 @@ TEMPLATE_ACTIONS = frozenset({"put", "delete", "use", "outcome"})
 # or the same source session (automatic creation's deduplication, exact in lane order).
 PUT_MODES = frozenset({"save", "keep", "auto"})
 # An imported message: id, turn key, ordinal, role, content, tool calls (JSON text), tool call
-# id, tool name, timestamp, user id, metadata (JSON text), token count; as exported, ids kept.
-IMPORTED_MESSAGE_FIELDS = 12
+# id, tool name, timestamp, user id, metadata (JSON text), token count, fields (JSON text: the
+# keys no column holds, ``turns.message_row``); as exported. An earlier version's record has
+# no fields (12).
+IMPORTED_MESSAGE_FIELDS = 13
 # What a ``describe`` may set on a session, and the type each holds.
 SESSION_FIELDS: dict[str, type] = {
     "source": str, "model": str, "model_config": dict, "system_prompt": str,
@@ -86,6 +90,7 @@ class SessionOp(NamedTuple):
     messages: list[list[Any]] | None = None  # import: a part of its messages, in id order
     started_at: float | None = None  # import: the exported session's start (its identity)
     snapshot: dict[str, Any] | None = None  # a replica row's copy: the row after the event
+    first_id: int | None = None  # import: the first id its record took (see ``message_ids``)
 
 
 class TemplateOp(NamedTuple):
@@ -152,6 +157,8 @@ def encode_session_op(record_key: str, session_id: str, user_id: str | None,
         doc.update({"row": None if row is None else dict(row), "m": messages or [],
                     "st": started_at})
     payload = _ENCODER.encode(doc)
+    if action == "import" and messages:  # its messages' ids, given as it is appended
+        payload = payload[:-1] + ',"i":' + "null".rjust(ID_DIGITS) + "}"
     return payload.replace("'", "\\u0027") if "'" in payload else payload
 
 
@@ -250,8 +257,9 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
         raise TypeError("the cut-off is not a number")
     if source is not None and type(source) is not str:
         raise TypeError("the source is not a string")
-    if "\\u0000" in payload:
-        raise ValueError("the event holds U+0000")
+    if "\\u0000" in payload and _holds_nul(fields, reason, source, doc.get("row"),
+                                             doc.get("m")):
+        raise ValueError("the event holds U+0000 in a text column")
     row = messages = started = None
     if action == "import":
         row, messages, started = doc["row"], doc["m"], doc["st"]
@@ -262,9 +270,12 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
         # Everything the import's statements need is checked here, where a record is read:
         # a part that failed in its batch would fail the batch's other records with it.
         if type(messages) is not list or not all(
-                type(m) is list and len(m) == IMPORTED_MESSAGE_FIELDS
+                type(m) is list and len(m) in (IMPORTED_MESSAGE_FIELDS - 1,
+                                               IMPORTED_MESSAGE_FIELDS)
                 and type(m[0]) is int and type(m[1]) is str and type(m[3]) is str
                 and isinstance(m[8], (int, float)) and not isinstance(m[8], bool)
+                and (len(m) == IMPORTED_MESSAGE_FIELDS - 1 or m[12] is None
+                     or type(m[12]) is str)
                 for m in messages):
             raise TypeError("the imported messages are mistyped")
         if len({m[0] for m in messages}) != len(messages):
@@ -276,9 +287,29 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
     snapshot = doc.get(SNAPSHOT_FIELD)
     if snapshot is not None and type(snapshot) is not dict:
         raise TypeError("the session snapshot is not an object")
+    first_id = doc.get("i")
+    if first_id is not None and type(first_id) is not int:
+        raise TypeError("the import's first message id is not an integer")
     return SessionOp(record_key, session_id, user_id, float(at), action, fields, reason,
                      None if before is None else float(before), source, row, messages,
-                     started, snapshot)
+                     started, snapshot, first_id)
+
+
+def _holds_nul(*values: Any) -> bool:
+    """Whether text a statement writes into a column holds U+0000 (SQLite's JSON functions
+    end text there). JSON text inside it (a message's fields, its metadata) holds U+0000 as
+    an escape, which reads back exactly."""
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if type(v) is str:
+            if "\x00" in v:
+                return True
+        elif type(v) is list:
+            stack.extend(v[:12] if len(v) == IMPORTED_MESSAGE_FIELDS else v)
+        elif type(v) is dict:
+            stack.extend(v.values())
+    return False
 
 
 def parse_kv(doc: Mapping[str, Any], payload: str) -> KvOp:

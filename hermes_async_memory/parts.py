@@ -172,6 +172,17 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
         else:
             outbox = _outbox(s)
             recovery = await anyio.to_thread.run_sync(outbox.open, first_segment)
+            # This process commits: it gives message ids as records are accepted, above
+            # every id the store holds or an earlier run gave to a record still pending, and
+            # to the pending records that came without, in their order, before any new one.
+            highest, lowest, missing = await anyio.to_thread.run_sync(outbox.recovered_ids)
+            store.ids.start_after(highest)
+            if lowest is not None:
+                store.ids.protect(lowest)
+            for key, n in missing:
+                store.ids.reserve(key, n)
+            outbox.ids = store.ids
+            store.ids.oldest_pending = outbox.oldest_pending_first_id
         plan = outbox.prefault_plan()
         if plan:
             await anyio.to_thread.run_sync(Outbox.prefault, plan)

@@ -265,11 +265,12 @@ class MemoryPipeline:
         _check_ids(session_id, user_id)
         key = f"{self._key_prefix}-{next(self._key_counter):x}"  # new_key(), inlined
         accepted_at = time.time()
-        data, n_messages, sanitized = encode_turn(
+        data, n_messages, normalized = encode_turn(
             key, session_id, user_id, accepted_at, user_content, assistant_content, messages,
             metadata, self.settings.max_turn_bytes)
-        self.sanitized += sanitized
-        return self._append(parts, key, session_id, accepted_at, data, n_messages)
+        receipt = self._append(parts, key, session_id, accepted_at, data, n_messages)
+        self.sanitized += normalized
+        return receipt
 
     def new_key(self) -> str:
         """A fresh record key: unique to this pipeline and process."""
@@ -288,13 +289,13 @@ class MemoryPipeline:
     def _append(self, parts: Parts, key: str, lane: str, accepted_at: float, data: bytes,
                 n_messages: int) -> Receipt:
         try:
-            seq, deferred = parts.outbox.append(data, n_messages)
+            seq, deferred, first_id = parts.outbox.append(data, n_messages)
         except DiskFullError as exc:
             self.conditions.set(DISK_FULL, describe(exc))
             raise
         self.barrier.note_accepted(lane, seq)
         self._on_loop(parts.writer.wake)
-        return Receipt(key, lane, seq, accepted_at, deferred)
+        return Receipt(key, lane, seq, accepted_at, deferred, first_id)
 
     def queue_prefetch(self, query: str, *, session_id: str, user_id: str | None = None
                        ) -> None:

@@ -15,15 +15,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+from .message_ids import MessageIds
 from .slices import CHUNK, maybe_yield
 from .store import Batch, SqliteStore
 from .turns import Turn
 from .writer import Unreadable
 
 
-async def build_batch(turns: Sequence[Turn], source: str) -> Batch:
+async def build_batch(turns: Sequence[Turn], source: str, ids: MessageIds | None = None
+                      ) -> Batch:
     """A batch's parameters, built a chunk at a time so the loop keeps running."""
-    batch = Batch(source)
+    batch = Batch(source, ids)
     for i in range(0, len(turns), CHUNK):
         if i:
             await maybe_yield()
@@ -43,7 +45,7 @@ class StoreSink:
         self._transactions = transactions or asyncio.Lock()
 
     async def commit(self, turns: Sequence[Turn], lease_owner: str | None) -> int:
-        batch = await build_batch(turns, self._store.source)
+        batch = await build_batch(turns, self._store.source, self._store.ids)
         if lease_owner is not None:  # inbox turns: they leave the inbox in the same transaction
             batch.inbox_ids = [t.seq for t in turns]
             batch.lease_owner = lease_owner

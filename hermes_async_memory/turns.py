@@ -1,51 +1,75 @@
-"""A turn as data: what sync_turn builds, what the outbox stores and what the writer commits."""
+"""A turn as data: what sync_turn builds, what the outbox stores and what the writer commits.
+
+A message is stored as it was given. Its plain parts go to columns the store indexes and sums
+(role, text content, tool calls, tool call id, tool name, token count, timestamp); every
+other key, and a value no column holds exactly (structured content, ``None``, an integer
+call id, text with a lone surrogate, ...), goes with it as given, in a JSON object of its
+own (``fields``). ``message_of`` puts the two back together: the message as given.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from json.encoder import encode_basestring_ascii
 from typing import Any, NamedTuple
 
 from .errors import InvalidTurnError
-from .ops import LANE_MARK, OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, TemplateOp, parse_op
+from .ops import ID_DIGITS, LANE_MARK, OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, TemplateOp, parse_op
 
-# One stored message: (role, content, tool_calls_json, tool_call_id, tool_name), and its
-# token count after those when it reported one (the record leaves it out otherwise).
-MessageRow = (tuple[str, str, "str | None", "str | None", "str | None"]
-              | tuple[str, str, "str | None", "str | None", "str | None", int])
+# One stored message: (role, content text or None, tool calls as JSON text, tool call id,
+# tool name, token count, timestamp or None (the record's), fields as JSON text or None).
+# A record written by an earlier version holds the first five, or six.
+MessageRow = tuple[str, "str | None", "str | None", "str | None", "str | None", "int | None",
+                   "float | None", "str | None"]
 
 _TEXT_KEPT = 2000  # characters of the user and assistant text kept for the prefetch cache
-# Metadata and tool calls nest at most this deep. Deeper JSON is refused at sync_turn: past a
-# few hundred levels Python's JSON reader and SQLite's JSON functions fail on it, and a turn
-# must never be accepted that no part of the store can read back.
+# Metadata, tool calls and a message's fields nest at most this deep. Deeper JSON is refused
+# at sync_turn: past a few hundred levels Python's JSON reader and SQLite's JSON functions
+# fail on it, and a turn must never be accepted that no part of the store can read back.
 MAX_NESTING = 32
 # Token counts in metadata are summed into each session's counters; a value this size can
 # never overflow them (2**31 * 2**32 turns < 2**63), a larger one could stall its batch.
 MAX_TOKENS = 2**31 - 1
 _TOKEN_KEYS = ("input_tokens", "output_tokens")
+# Text columns a turn's metadata sets on its session row: ids and names, never cut or changed.
+_NAME_KEYS = ("source", "model", "parent_session_id")
 
 _esc = encode_basestring_ascii  # a str as a JSON string literal, ASCII only (C)
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False)
-_CALLS_ENCODER = json.JSONEncoder(ensure_ascii=False, check_circular=False).encode
+_FIELDS_ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False,
+                                   check_circular=False).encode
+_CALLS_ENCODER = json.JSONEncoder(ensure_ascii=False, check_circular=False,
+                                  allow_nan=False).encode
 # The C scanner json.loads runs, without its two Python wrappers (~0.4 µs a record).
 _scan_once: Callable[[str, int], tuple[Any, int]] = (
     json.JSONDecoder().scan_once)  # type: ignore[attr-defined]
 _NULL = "null"
 TURN = "turn"
-_DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":[%s],"d":%s}'
+# The record's first message id goes last, in a field of fixed width that the outbox fills as
+# it appends the record (``outbox.records.write``): ``ID_SLOT`` characters before the closing
+# brace, right-aligned, or ``null`` where ids are given at commit (a producer's records).
+ID_SLOT = ID_DIGITS + 1  # from the end of the payload: the digits, then "}"
+NO_ID = b"null".rjust(ID_DIGITS)
+_DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":[%s],"d":%s,"i":' + "null".rjust(ID_DIGITS) + "}"
+_ABSENT: Any = object()
 
 
 class Receipt(NamedTuple):
-    """What sync_turn hands back: the turn is durable once you hold this."""
+    """What sync_turn hands back: the turn is durable once you hold this. ``first_id`` is the
+    store id of its first message (the others follow, in order), or None where the store
+    gives ids as it commits (a producer's turns, an operation)."""
 
     key: str
     session_id: str
     seq: int
     accepted_at: float
     deferred: bool = False
+    first_id: int | None = None
 
 
 class Turn(NamedTuple):
@@ -79,16 +103,20 @@ class Turn(NamedTuple):
     # ``ops.OP_SESSION``, in its session's; a template write, ``ops.OP_TEMPLATE``, in the
     # templates' lane): no messages, and its lane for session id.
     kind: str = "turn"
+    # The store id of its first message (the others follow); None until one is given.
+    first_id: int | None = None
 
     @classmethod
     def build(
         cls, *, key: str, session_id: str, user_id: str | None, accepted_at: float,
         messages: Sequence[MessageRow], metadata: Mapping[str, Any] | None, segment: int = 0,
+        first_id: int | None = None,
     ) -> Turn:
         """Raises TypeError or ValueError when ``metadata`` is not JSON-serialisable."""
         payload = encode_payload(key, session_id, user_id, accepted_at, messages, metadata)
-        return cls._fields_of(key, session_id, user_id, accepted_at, messages, metadata,
-                              payload, segment=segment, nbytes=len(payload))
+        if first_id is not None:
+            payload = with_first_id(payload, first_id)
+        return cls.decode(payload, segment)
 
     @classmethod
     def decode(cls, record: bytes | str, segment: int = 0, seq: int = 0) -> Turn:
@@ -122,17 +150,29 @@ class Turn(NamedTuple):
         if not isinstance(at, (int, float)) or type(messages) is not list:
             raise TypeError("the record's time or messages are mistyped")
         for m in messages:
-            if (type(m) is not list or type(m[0]) is not str
-                    or (len(m) != 5 and (len(m) != 6 or type(m[5]) is not int))):
+            if type(m) is not list or type(m[0]) is not str or len(m) not in (5, 6, 8):
                 raise TypeError("a message of the record is mistyped")
-        return cls._fields_of(key, session_id, user_id, float(at), messages, doc["d"],
-                              payload, segment=segment, nbytes=len(payload), seq=seq)
+            if len(m) > 5 and m[5] is not None and type(m[5]) is not int:
+                raise TypeError("a message's token count is mistyped")
+            if len(m) == 8 and not (
+                    (m[6] is None or type(m[6]) in (int, float))
+                    and (m[7] is None or type(m[7]) is str)):
+                raise TypeError("a message's timestamp or fields are mistyped")
+        first_id = doc.get("i")
+        if first_id is not None and type(first_id) is not int:
+            raise TypeError("the record's first message id is not an integer")
+        metadata = doc["d"]
+        if type(metadata) is str:  # as JSON text (this version); an object (earlier ones)
+            metadata = json.loads(metadata)
+        return cls._fields_of(key, session_id, user_id, float(at), messages, metadata,
+                              payload, segment=segment, nbytes=len(payload), seq=seq,
+                              first_id=first_id)
 
     @classmethod
     def _fields_of(
         cls, key: str, session_id: str, user_id: str | None, accepted_at: float,
         messages: Sequence[Sequence[Any]], metadata: Mapping[str, Any] | None, payload: str,
-        *, segment: int, nbytes: int, seq: int = 0,
+        *, segment: int, nbytes: int, seq: int = 0, first_id: int | None = None,
     ) -> Turn:
         user = assistant = ""
         tool_calls = 0
@@ -142,7 +182,7 @@ class Turn(NamedTuple):
                 if m[1]:
                     assistant = m[1]
             elif role == "user":
-                if not user:
+                if not user and m[1]:
                     user = m[1]
             if m[2]:  # an assistant's calls, as JSON text: counted as Hermes counts them
                 tool_calls += _n_calls(m[2])
@@ -154,14 +194,14 @@ class Turn(NamedTuple):
         else:
             source = model = parent = None
             tokens_in = tokens_out = 0
-        # Positional tuple.__new__: a 19-field NamedTuple built by keyword (or _replace) costs
+        # Positional tuple.__new__: a 20-field NamedTuple built by keyword (or _replace) costs
         # ~1.5 µs.
         return tuple.__new__(cls, (
             key, seq, session_id, user_id, accepted_at, payload, nbytes, segment, len(messages),
             tool_calls, user[:_TEXT_KEPT] if len(user) > _TEXT_KEPT else user,
             assistant[:_TEXT_KEPT] if len(assistant) > _TEXT_KEPT else assistant,
             source, model, parent, tokens_in, tokens_out,
-            "\\u0000" in payload, TURN,
+            "\\u0000" in payload, TURN, first_id,
         ))
 
     @classmethod
@@ -178,7 +218,7 @@ class Turn(NamedTuple):
             lane, kind, user = op.session_id, OP_SESSION, op.user_id
         return tuple.__new__(cls, (
             op.record_key, seq, lane, user, op.accepted_at, payload, len(payload),
-            segment, 0, 0, "", "", None, None, None, 0, 0, False, kind))
+            segment, 0, 0, "", "", None, None, None, 0, 0, False, kind, None))
 
     def encode(self) -> bytes:
         """The outbox record (ASCII JSON)."""
@@ -186,31 +226,54 @@ class Turn(NamedTuple):
 
     @property
     def messages(self) -> tuple[MessageRow, ...]:
-        return tuple(tuple(m) for m in json.loads(self.payload)["m"])
+        """The turn's message rows (``MessageRow``), an earlier version's widened."""
+        return tuple(_widen(m) for m in json.loads(self.payload)["m"])
 
     @property
     def metadata(self) -> dict[str, Any] | None:
-        md: dict[str, Any] | None = json.loads(self.payload)["d"]
-        return md
+        md: Any = json.loads(self.payload)["d"]
+        if type(md) is str:
+            md = json.loads(md)
+        return md if isinstance(md, dict) else None
 
     def with_seq(self, seq: int) -> Turn:
         return self._replace(seq=seq)
+
+    def with_first_id(self, first_id: int) -> Turn:
+        """This turn with its messages' ids from ``first_id`` on, written into its payload
+        (for a record that came without: a producer's, or an earlier version's)."""
+        payload = with_first_id(self.payload, first_id)
+        return self._replace(payload=payload, nbytes=len(payload), first_id=first_id)
 
     @classmethod
     def stub(cls, key: str, session_id: str, *, seq: int = 0, segment: int = 0,
              accepted_at: float = 0.0) -> Turn:
         """A turn that holds only where it came from: for a record that does not decode."""
         return tuple.__new__(cls, (key, seq, session_id, None, accepted_at, "", 0, segment, 0,
-                                   0, "", "", None, None, None, 0, 0, False, TURN))
+                                   0, "", "", None, None, None, 0, 0, False, TURN, None))
+
+
+def with_first_id(payload: str, first_id: int) -> str:
+    """``payload`` (a turn record of this version) with its id slot holding ``first_id``."""
+    if not payload.endswith("}") or payload[-ID_SLOT - 5:-ID_SLOT] != ',"i":':
+        raise ValueError("the record has no id slot")
+    return payload[:-ID_SLOT] + str(int(first_id)).rjust(ID_DIGITS) + "}"
+
+
+def has_id_slot(payload: bytes) -> bool:
+    """Whether ``payload`` is a turn record with an empty id slot at its end."""
+    return payload.endswith(NO_ID + b"}") and payload[-ID_SLOT - 5:-ID_SLOT] == b',"i":'
 
 
 def encode_payload(
     key: str, session_id: str, user_id: str | None, accepted_at: float,
     messages: Sequence[MessageRow], metadata: Mapping[str, Any] | None,
 ) -> str:
-    """A turn's JSON: ``{"k", "s", "u", "t", "c", "m", "d"}``, compact and ASCII, as
-    ``json.dumps`` would write it, put together from the C string encoder (2-3x cheaper than
-    ``json.dumps`` of the dict; this runs on the caller's thread for every turn).
+    """A turn's JSON: ``{"k", "s", "u", "t", "c", "m", "d", "i"}``, compact and ASCII, put
+    together from the C string encoder (2-3x cheaper than ``json.dumps`` of the dict; this
+    runs on the caller's thread for every turn). ``m`` holds each message as a ``MessageRow``
+    list; ``d``, the metadata, goes as JSON text (a string), read back exactly (SQLite would
+    write its numbers with 15 digits); ``i``, last, is the empty id slot (see ``ID_SLOT``).
 
     ASCII only (non-ASCII as \\u escapes, which SQLite's JSON decodes in C): the writer thread
     hands a batch to SQLite without re-encoding a megabyte under the GIL. Single quotes are
@@ -223,35 +286,73 @@ def encode_payload(
     payload = _DOC % (
         _esc(key), _esc(session_id), _NULL if user_id is None else _esc(user_id),
         accepted_at, _esc(scope_tokens(user_id, session_id)),
-        ",".join([
-            f"[{_esc(m[0])},{_esc(m[1])},{_NULL if m[2] is None else _esc(m[2])},"
-            f"{_NULL if m[3] is None else _esc(m[3])},{_NULL if m[4] is None else _esc(m[4])}"
-            f"{'' if len(m) == 5 else f',{m[5]:d}'}]"
-            for m in messages
-        ]),
-        _NULL if metadata is None else _ENCODER.encode(metadata),
+        ",".join([_encode_row(m) for m in messages]),
+        _NULL if metadata is None else _esc(_ENCODER.encode(metadata)),
     )
     if "'" in payload:
         payload = payload.replace("'", "\\u0027")
     return payload
 
 
+def _encode_row(m: Sequence[Any]) -> str:
+    if len(m) == 8:
+        role, text, calls, call_id, name, tokens, at, fields = m
+    else:  # an earlier version's row
+        role, text, calls, call_id, name = m[:5]
+        tokens, at, fields = (m[5] if len(m) > 5 else None), None, None
+    return "[%s,%s,%s,%s,%s,%s,%s,%s]" % (  # noqa: UP031 (the fastest here)
+        _esc(role), _NULL if text is None else _esc(text),
+        _NULL if calls is None else _esc(calls), _NULL if call_id is None else _esc(call_id),
+        _NULL if name is None else _esc(name), _NULL if tokens is None else str(int(tokens)),
+        _NULL if at is None else repr(float(at)), _NULL if fields is None else _esc(fields))
+
+
+def _widen(m: Sequence[Any]) -> MessageRow:
+    if len(m) == 8:
+        return tuple(m)
+    return (m[0], m[1], m[2], m[3], m[4], m[5] if len(m) > 5 else None, None, None)
+
+
 def payload_rows(payload: str) -> list[tuple[Any, ...]]:
-    """The message rows a turn's payload holds, as the stores insert them: (session_id,
-    turn_key, ordinal, role, content, tool_calls, tool_call_id, tool_name, timestamp,
-    user_id, scope, metadata as JSON text or None, token_count)."""
+    """The message rows a turn's payload holds, as the replica stores take them: (session_id,
+    turn_key, ordinal, role, content, tool_calls, tool_call_id, tool_name, timestamp, user_id,
+    scope, metadata as JSON text or None, token_count)."""
     doc = json.loads(payload)
-    md = json.dumps(doc["d"], ensure_ascii=False) if doc["d"] else None
-    return [(doc["s"], doc["k"], i, *m[:5], doc["t"], doc["u"], doc["c"], md,
-             m[5] if len(m) > 5 else None) for i, m in enumerate(doc["m"])]
+    md = _metadata_text(doc["d"])
+    at = doc["t"]
+    return [(doc["s"], doc["k"], i, *r[:5], at if r[6] is None else r[6], doc["u"], doc["c"],
+             md, r[5]) for i, r in enumerate(map(_widen, doc["m"]))]
+
+
+def store_rows(payload: str) -> list[tuple[Any, ...]]:
+    """The message rows of a turn's payload as the SQLite store inserts them, bound
+    (``store.batch.INSERT_MESSAGE_ROW``): (id, session_id, turn_key, ordinal, role, content,
+    tool_calls, tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count,
+    fields)."""
+    doc = json.loads(payload)
+    md = _metadata_text(doc["d"])
+    at, first = doc["t"], doc.get("i")
+    return [(None if first is None else first + i, doc["s"], doc["k"], i, *r[:5],
+             at if r[6] is None else r[6], doc["u"], doc["c"], md, r[5], r[7])
+            for i, r in enumerate(map(_widen, doc["m"]))]
+
+
+def _metadata_text(md: Any) -> str | None:
+    """The metadata column's text: the record's own JSON text (as the batch's SQL takes
+    it), or an earlier version's object written out."""
+    if type(md) is str:
+        return md if md != "{}" else None
+    return json.dumps(md, ensure_ascii=False) if md else None
 
 
 def check_metadata(metadata: object) -> dict[str, Any] | None:
-    """A copy of ``metadata`` that the store can hold, or None.
+    """A copy of ``metadata`` that the store can hold exactly, or None.
 
     Raises:
-        InvalidTurnError: not a mapping, nested deeper than ``MAX_NESTING``, or a token count
-            that is not an integer from 0 to ``MAX_TOKENS``.
+        InvalidTurnError: not a mapping of text keys, not JSON (a key that is not a string, a
+            value JSON cannot hold, NaN), nested deeper than ``MAX_NESTING``, a token count
+            that is not an integer from 0 to ``MAX_TOKENS``, or a session name (source,
+            model, parent_session_id) holding a NUL or a lone surrogate.
     """
     if metadata is None:
         return None
@@ -267,7 +368,14 @@ def check_metadata(metadata: object) -> dict[str, Any] | None:
         if not is_token_count(value):
             raise InvalidTurnError(
                 f"metadata.{name} must be an integer from 0 to {MAX_TOKENS}, got {value!r:.40}")
-    check_nesting("metadata", md)
+    for name in _NAME_KEYS:
+        value = md.get(name)
+        if isinstance(value, str):
+            if "\x00" in value:
+                raise InvalidTurnError(f"metadata.{name} holds a NUL character")
+            if not value.isascii() and _has_surrogate(value):
+                raise InvalidTurnError(f"metadata.{name} holds a lone surrogate")
+    check_json("metadata", md)
     return md
 
 
@@ -296,7 +404,50 @@ def check_nesting(name: str, value: object, limit: int = MAX_NESTING) -> None:
                 stack.append((child, depth + 1))
 
 
+def check_json(name: str, value: object, limit: int = MAX_NESTING) -> None:
+    """Raises InvalidTurnError unless ``value`` is JSON that reads back equal to it: text
+    keys only (``{1: "a"}`` would come back as ``{"1": "a"}``, and beside a ``"1"`` key one
+    value would be lost), strings, integers, finite floats, booleans, None, lists, tuples
+    (read back as lists) and mappings, at most ``limit`` levels deep."""
+    stack: list[tuple[object, int, str]] = [(value, 1, name)]
+    while stack:
+        item, depth, where = stack.pop()
+        kind = type(item)
+        if kind is str or kind is int or kind is bool or item is None:
+            continue
+        if kind is float:
+            if not math.isfinite(item):  # type: ignore[arg-type]
+                raise InvalidTurnError(f"{where} is {item!r}: not JSON-serialisable")
+            continue
+        if depth > limit:
+            raise InvalidTurnError(f"{name} nests deeper than {limit} levels")
+        if kind is dict or (kind not in _SCALARS and isinstance(item, Mapping)):
+            for k, v in item.items():  # type: ignore[attr-defined]
+                if type(k) is not str:
+                    raise InvalidTurnError(
+                        f"{where} has a key that is not a string: {k!r:.40} "
+                        f"({type(k).__name__}); JSON keys are text")
+                if type(v) not in _PLAIN:
+                    stack.append((v, depth + 1, f"{where}.{k}"))
+                elif type(v) is float and not math.isfinite(v):
+                    raise InvalidTurnError(f"{where}.{k} is {v!r}: not JSON-serialisable")
+        elif kind is list or kind is tuple or isinstance(item, (list, tuple)):
+            for i, v in enumerate(item):  # type: ignore[arg-type]
+                if type(v) not in _PLAIN:
+                    stack.append((v, depth + 1, f"{where}[{i}]"))
+                elif type(v) is float and not math.isfinite(v):
+                    raise InvalidTurnError(f"{where}[{i}] is {v!r}: not JSON-serialisable")
+        elif isinstance(item, (int, str)):
+            continue  # a subclass (an IntEnum, a StrEnum): JSON keeps its value
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise InvalidTurnError(f"{where} is {item!r}: not JSON-serialisable")
+        else:
+            raise InvalidTurnError(f"{where} is a {kind.__name__}: not JSON-serialisable")
+
+
 _SCALARS = frozenset({str, int, float, bool, type(None)})
+_PLAIN = frozenset({str, int, bool, type(None), float})
 
 
 def is_token_count(value: object) -> bool:
@@ -305,11 +456,20 @@ def is_token_count(value: object) -> bool:
 
 
 def _str(value: object) -> str | None:
+    # No NUL: refused at accept (check_metadata); an earlier version's record may hold one.
     return value.replace("\x00", "") if isinstance(value, str) else None
 
 
 def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def scope_hash(value: str) -> str:
@@ -344,57 +504,174 @@ def check_id(name: str, value: object, *, optional: bool = False) -> str | None:
         raise InvalidTurnError(f"{name} holds a NUL character")
     if LANE_MARK in value:
         raise InvalidTurnError(f"{name} holds the reserved character \\x01")
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidTurnError(f"{name} holds a lone surrogate") from exc
+    if not value.isascii() and _has_surrogate(value):
+        raise InvalidTurnError(f"{name} holds a lone surrogate")
     return value
 
 
-def text_of(name: str, value: object) -> str:
-    """Message content as text: str as is, None as "", OpenAI content parts joined."""
-    if isinstance(value, str):
-        return value
-    if value is None:
-        return ""
-    if isinstance(value, list):
-        parts = []
-        for part in value:
-            if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-        return "\n".join(parts)
-    raise InvalidTurnError(f"{name} must be a string, got {type(value).__name__}")
+def content_text(content: object) -> str | None:
+    """The text of structured message content, for the index and the recall: the ``text``
+    strings of its parts (OpenAI's ``{"type": "text", "text": ...}``, and any part that
+    holds one), in order, a line each; None when it holds none."""
+    found: list[str] = []
+    stack: list[object] = [content]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Mapping):
+            text = item.get("text")
+            if isinstance(text, str):
+                found.append(text)
+            stack.extend(reversed([v for k, v in item.items() if k != "text"
+                                   and isinstance(v, (Mapping, list, tuple))]))
+        elif isinstance(item, (list, tuple)):
+            stack.extend(reversed(item))
+    return "\n".join(found) if found else None
+
+
+def message_row(i: int, m: object, notes: list[int] | None = None) -> MessageRow:
+    """One message, as given, as a ``MessageRow``: what the columns hold exactly, and every
+    other key (and any value a column would not hold exactly) in its fields. Text holding
+    NUL or a lone surrogate is kept exactly in the fields, and its content column holds a
+    copy with U+FFFD there, for the index and the recall (``index_text``); ``notes`` gets
+    an entry when that happens.
+
+    Raises:
+        InvalidTurnError: not a mapping with a non-empty string role, or not JSON that reads
+            back as given (see ``check_json``).
+    """
+    name = f"messages[{i}]"
+    if not isinstance(m, Mapping):
+        raise InvalidTurnError(f"{name} must be a dict, got {type(m).__name__}")
+    role = m.get("role")
+    if type(role) is not str or not role:
+        raise InvalidTurnError(f"{name} has no role (a non-empty string)")
+    if "\x00" in role or (not role.isascii() and _has_surrogate(role)):
+        raise InvalidTurnError(f"{name}.role holds a NUL or a lone surrogate")
+    fields: dict[str, Any] = {}
+    text: str | None = None
+    calls_json = call_id = tool_name = None
+    for key, value in m.items():
+        if key == "role":
+            continue
+        if key == "content":
+            if type(value) is str:
+                if _column_text(value):
+                    text = value
+                else:  # exactly in the fields; the column's copy is for the index
+                    fields[key] = value
+                    text = index_text(value)
+                    if notes is not None:
+                        notes.append(i)
+                continue
+            text = None if value is None else content_text(value)
+            if text is not None and not _column_text(text):
+                text = index_text(text)
+                if notes is not None:
+                    notes.append(i)
+        elif key == "tool_calls" and type(value) is list:
+            calls_json = _calls_json(i, value)
+            continue
+        elif key == "tool_call_id" and type(value) is str and _column_text(value):
+            call_id = value
+            continue
+        elif type(key) is not str:
+            raise InvalidTurnError(f"{name} has a key that is not a string: {key!r:.40}")
+        fields[key] = value
+    tool = m.get("tool_name")
+    if tool is None and role == "tool":
+        tool = m.get("name")
+    if type(tool) is str and _column_text(tool):
+        tool_name = tool
+    tokens = message_tokens(m)
+    at = m.get("timestamp")
+    stamp = float(at) if isinstance(at, (int, float)) and type(at) is not bool and math.isfinite(
+        at) else None
+    if fields:
+        check_json(name, fields)
+        try:
+            fields_json: str | None = _FIELDS_ENCODER(fields)
+        except RecursionError:
+            raise InvalidTurnError(f"{name} nests deeper than {MAX_NESTING} levels") from None
+    else:
+        fields_json = None
+    return (role, text, calls_json, call_id, tool_name, tokens, stamp, fields_json)
+
+
+def index_text(value: str) -> str:
+    """``value`` with NUL and lone surrogates as U+FFFD: what a text column can hold (SQLite's
+    JSON functions end text at NUL, and UTF-8 cannot hold a lone surrogate)."""
+    text: str = sanitize(value)
+    return text.replace("\x00", "\ufffd")
+
+
+def _column_text(value: str) -> bool:
+    """Whether a text column holds ``value`` exactly (no NUL: the SQL paths cut it there; no
+    lone surrogate: UTF-8 cannot hold one)."""
+    return "\x00" not in value and (value.isascii() or not _has_surrogate(value))
+
+
+def message_of(role: str, content: str | None, tool_calls: str | None, tool_call_id: str | None,
+               fields: str | None, *, tool_name: str | None = None) -> dict[str, Any]:
+    """A stored message put back together, as it was given (``message_row``'s inverse).
+
+    A message an earlier version stored has no fields: it comes back as that version kept it
+    (role, content, its tool calls and call id, and its tool name as ``name``); a message of
+    this version with no fields has no tool name (it would be in its fields)."""
+    out: dict[str, Any] = {"role": role}
+    if content is not None:
+        out["content"] = content
+    if tool_calls is not None:
+        out["tool_calls"] = _loads_or_text(tool_calls)
+    if tool_call_id is not None:
+        out["tool_call_id"] = tool_call_id
+    if fields is not None:
+        out.update(json.loads(fields))
+    elif tool_name is not None:
+        out["name"] = tool_name
+    return out
+
+
+def _loads_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def turn_messages(
-    user_content: object, assistant_content: object, messages: Sequence[Mapping[str, Any]] | None
+    user_content: object, assistant_content: object, messages: Sequence[Mapping[str, Any]] | None,
+    notes: list[int] | None = None,
 ) -> list[MessageRow]:
     """The rows of one turn.
 
-    ``messages`` is the OpenAI-style conversation as of the finished turn (Hermes passes the
-    whole history). Only this turn's part is stored: from the last user message to the end,
-    so tool calls and tool results are kept and earlier turns are not written twice.
+    With ``messages``, the turn is exactly those messages, each stored as given, in order;
+    ``user_content`` and ``assistant_content`` are then only checked (they are the turn's
+    texts for the prefetch cache, which reads them from the rows). Without, the turn is a
+    user message and an assistant message with those contents.
     """
-    user = text_of("user_content", user_content)
-    assistant = text_of("assistant_content", assistant_content)
+    if messages is not None and not (
+            isinstance(messages, Sequence) and not isinstance(messages, (str, bytes))):
+        raise InvalidTurnError("messages must be a list of message dicts")
     if messages:
-        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
-            raise InvalidTurnError("messages must be a list of message dicts")
-        start = None
-        for i in range(len(messages) - 1, -1, -1):
-            m = messages[i]
-            if not isinstance(m, Mapping):
-                raise InvalidTurnError(f"messages[{i}] must be a dict, got {type(m).__name__}")
-            if m.get("role") == "user":
-                start = i
-                break
-        if start is not None:
-            rows = [_row(i, messages[i]) for i in range(start, len(messages))]
-            if assistant and not any(r[0] == "assistant" and r[1] == assistant for r in rows):
-                rows.append(("assistant", assistant, None, None, None))
-            return rows
-    return [("user", user, None, None, None), ("assistant", assistant, None, None, None)]
+        _check_text("user_content", user_content)
+        _check_text("assistant_content", assistant_content)
+        return [message_row(i, m, notes) for i, m in enumerate(messages)]
+    return [_text_row("user", "user_content", user_content, notes),
+            _text_row("assistant", "assistant_content", assistant_content, notes)]
+
+
+def _check_text(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, (str, list)):
+        raise InvalidTurnError(f"{name} must be a string, got {type(value).__name__}")
+
+
+def _text_row(role: str, name: str, value: object, notes: list[int] | None) -> MessageRow:
+    if type(value) is str and "\x00" not in value and (value.isascii()
+                                                       or not _has_surrogate(value)):
+        return (role, value, None, None, None, None, None, None)
+    if value is not None and not isinstance(value, (str, list)):
+        raise InvalidTurnError(f"{name} must be a string, got {type(value).__name__}")
+    return message_row(0, {"role": role, "content": value}, notes)
 
 
 def _n_calls(calls_json: str) -> int:
@@ -410,39 +687,30 @@ def _calls_json(i: int, tool_calls: object) -> str:
     """A message's ``tool_calls`` as JSON text (as ``json.dumps`` writes it).
 
     Encoded first, without the encoder's cycle check: a cycle or a deep nesting stops at the
-    interpreter's recursion limit. The nesting is walked only when the text holds more
-    brackets than ``MAX_NESTING`` (it cannot nest deeper than it has brackets): five calls
-    with short arguments hold about 15, and the walk cost a third of their encoding."""
+    interpreter's recursion limit. The values are walked only when the encoder refuses them
+    or the text holds more brackets than ``MAX_NESTING`` (it cannot nest deeper than it has
+    brackets): five calls with short arguments hold about 15, and the walk cost a third of
+    their encoding. A walk also finds what JSON would not read back as given (a key that is
+    not a string)."""
     name = f"messages[{i}].tool_calls"
     try:
         calls_json = _CALLS_ENCODER(tool_calls)
     except RecursionError:
         raise InvalidTurnError(f"{name} nests deeper than {MAX_NESTING} levels") from None
     except (TypeError, ValueError) as exc:
+        check_json(name, tool_calls)
         raise InvalidTurnError(f"{name} is not JSON-serialisable") from exc
-    if calls_json.count("{") + calls_json.count("[") > MAX_NESTING:
-        check_nesting(name, tool_calls)
+    if (calls_json.count("{") + calls_json.count("[") > MAX_NESTING
+            or _SUSPECT_KEY.search(calls_json) is not None):
+        check_json(name, tool_calls)
+    if "\x00" in calls_json or (not calls_json.isascii() and _has_surrogate(calls_json)):
+        raise InvalidTurnError(f"{name} holds a NUL or a lone surrogate in its text")
     return calls_json
 
 
-def _row(i: int, m: Mapping[str, Any]) -> MessageRow:
-    role = m.get("role")
-    if not isinstance(role, str) or not role:
-        raise InvalidTurnError(f"messages[{i}] has no role")
-    content = text_of(f"messages[{i}].content", m.get("content"))
-    tool_calls = m.get("tool_calls")
-    calls_json = _calls_json(i, tool_calls) if tool_calls else None
-    call_id = m.get("tool_call_id")
-    name = m.get("name") or m.get("tool_name")
-    row: MessageRow = (
-        role,
-        content,
-        calls_json,
-        call_id if isinstance(call_id, str) else None,
-        name if isinstance(name, str) else None,
-    )
-    tokens = message_tokens(m)
-    return row if tokens is None else (*row, tokens)
+# A key the encoder may have made from a number, a bool or None (``{1: ...}`` is written
+# ``{"1": ...}``, and read back as text): such text is walked to tell a real text key.
+_SUSPECT_KEY = re.compile(r'[{,]"(?:-?[0-9][0-9.eE+-]*|true|false|null|-?Infinity|NaN)":')
 
 
 def message_tokens(m: Mapping[str, Any]) -> int | None:
@@ -454,25 +722,6 @@ def message_tokens(m: Mapping[str, Any]) -> int | None:
     if tokens is None and m.get("role") == "assistant" and isinstance(usage, Mapping):
         tokens = usage.get("completion_tokens", usage.get("output_tokens"))
     return tokens if isinstance(tokens, int) and is_token_count(tokens) else None
-
-
-def has_lone_surrogate(rows: Sequence[MessageRow], metadata: Mapping[str, Any] | None) -> bool:
-    """Whether some text holds a lone surrogate, which no UTF-8 store can hold."""
-    for row in rows:
-        for value in row[1:5]:
-            if value and not value.isascii():
-                try:
-                    value.encode("utf-8")
-                except UnicodeEncodeError:
-                    return True
-    if metadata:
-        try:
-            json.dumps(metadata, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        except (TypeError, ValueError):
-            return False  # refused later, with a clear error
-    return False
 
 
 def sanitize(value: Any) -> Any:
@@ -493,25 +742,37 @@ def encode_turn(
     assistant_content: object, messages: Sequence[Mapping[str, Any]] | None,
     metadata: object, max_bytes: int,
 ) -> tuple[bytes, int, bool]:
-    """What ``sync_turn`` appends to the outbox: (the record, its messages, whether text was
-    sanitized). The ids are checked by the caller.
+    """What ``sync_turn`` appends to the outbox: (the record, its messages, whether some
+    text is indexed as a U+FFFD copy, see ``message_row``). The ids are checked by the
+    caller.
 
     Raises:
-        InvalidTurnError: the turn can never be stored (types, nesting, token counts, not
-            JSON, or over ``max_bytes`` encoded); nothing was stored.
+        InvalidTurnError: the turn can never be stored as given (types, nesting, token
+            counts, not JSON, or over ``max_bytes`` encoded); nothing was stored.
     """
     md = check_metadata(metadata)
-    rows = turn_messages(user_content, assistant_content, messages)
-    sanitized = has_lone_surrogate(rows, md)
-    if sanitized:
-        # Lone surrogates cannot be stored as UTF-8 anywhere: keep the turn, with U+FFFD.
-        rows, md = sanitize(rows), sanitize(md)
+    notes: list[int] = []
+    rows = turn_messages(user_content, assistant_content, messages, notes)
+    data, n = encode_rows(key, session_id, user_id, accepted_at, rows, md, max_bytes)
+    return data, n, bool(notes)
+
+
+def encode_rows(key: str, session_id: str, user_id: str | None, accepted_at: float,
+                rows: Sequence[MessageRow], metadata: Mapping[str, Any] | None,
+                max_bytes: int) -> tuple[bytes, int]:
+    """``encode_turn`` for rows already made (``message_row``) and checked metadata.
+
+    Raises:
+        InvalidTurnError: no rows, or over ``max_bytes`` encoded.
+    """
+    if not rows:
+        raise InvalidTurnError("a turn needs at least one message")
     try:
-        payload = encode_payload(key, session_id, user_id, accepted_at, rows, md)
+        payload = encode_payload(key, session_id, user_id, accepted_at, rows, metadata)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidTurnError(f"metadata is not JSON-serialisable: {exc}") from exc
     data = payload.encode("ascii")
     if len(data) > max_bytes:
         raise InvalidTurnError(f"the turn is {len(data)} bytes encoded; the limit "
                                f"(max_turn_bytes) is {max_bytes}")
-    return data, len(rows), sanitized
+    return data, len(rows)

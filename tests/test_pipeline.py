@@ -275,10 +275,9 @@ async def test_oversized_turn_is_refused_clearly(tmp_path: Path) -> None:
     assert count_rows(tmp_path / "m.db") == 2
 
 
-async def test_openai_messages_store_this_turn_with_tool_calls(mem: MemoryPipeline) -> None:
+async def test_openai_messages_are_stored_as_given_with_tool_calls(mem: MemoryPipeline) -> None:
+    """``messages=`` is the turn: every message handed over is stored, in order, as given."""
     history = [
-        {"role": "user", "content": "earlier question"},
-        {"role": "assistant", "content": "earlier answer"},
         {"role": "user", "content": "what is the weather in Oslo"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function",
@@ -290,6 +289,8 @@ async def test_openai_messages_store_this_turn_with_tool_calls(mem: MemoryPipeli
                   session_id="s", messages=history, metadata={"model": "m1", "input_tokens": 12})
     await mem.flush()
     stored = await mem.get_messages("s")
+    assert [m["message"] for m in stored] == history
+    assert [m["id"] for m in stored] == list(range(stored[0]["id"], stored[0]["id"] + 4))
     assert [m["role"] for m in stored] == ["user", "assistant", "tool", "assistant"]
     assert stored[1]["tool_calls"][0]["function"]["name"] == "weather"
     assert stored[2]["tool_call_id"] == "c1" and stored[2]["tool_name"] == "weather"

@@ -6,6 +6,7 @@ password."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -201,7 +202,7 @@ async def test_nul_text_is_stored_as_the_replacement_character(
         assert mem.stats().replica_errors == 0
     rows = await db.fetch("SELECT content, metadata FROM messages ORDER BY seq, ordinal")
     assert [r["content"] for r in rows] == ["nul\ufffdhere", "and\ufffdthere", "plain", "ok"]
-    assert rows[0]["metadata"] == '{"note": "a\\u0000b"}'
+    assert json.loads(rows[0]["metadata"]) == {"note": "a\x00b"}
 
 
 async def test_a_second_machine_recalls_the_same_users_writes_only(

@@ -46,12 +46,15 @@ async def test_tables_survive_sql_fragments(mem: MemoryPipeline, settings: Setti
         conn.close()
 
 
-async def test_lone_surrogates_are_stored_with_a_replacement_char(mem: MemoryPipeline) -> None:
+async def test_lone_surrogates_are_kept_and_indexed_with_a_replacement_char(
+        mem: MemoryPipeline) -> None:
     mem.sync_turn("broken \ud800 surrogate quokka", "reply \udfff", session_id="s", user_id="u")
     await mem.flush()
     stored = await mem.get_messages("s")
-    assert stored[0]["content"] == "broken \ufffd surrogate quokka"
+    assert stored[0]["content"] == "broken \ufffd surrogate quokka"  # the indexed copy
     assert stored[1]["content"] == "reply \ufffd"
+    assert [m["message"]["content"] for m in stored] == ["broken \ud800 surrogate quokka",
+                                                         "reply \udfff"]  # as given
     assert "quokka" in await mem.search("quokka", user_id="u")
     assert mem.stats().sanitized_turns == 1
 
@@ -67,8 +70,9 @@ async def test_nul_bytes_emoji_and_rtl_text_round_trip(mem: MemoryPipeline) -> N
     for i, text in enumerate(texts):
         mem.sync_turn(text, f"reply {i}", session_id="s", user_id="u")
     await mem.flush()
-    stored = [m["content"] for m in await mem.get_messages("s") if m["role"] == "user"]
-    assert stored == texts
+    stored = [m["message"]["content"] for m in await mem.get_messages("s")
+              if m["role"] == "user"]
+    assert stored == texts  # as given, NUL and all (the index holds NUL as U+FFFD)
     for word in ("nulword", "emojiword", "עולם", "بالعالم", "ltrword"):
         assert word in await mem.search(word, user_id="u"), word
 

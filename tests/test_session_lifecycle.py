@@ -282,12 +282,7 @@ async def test_import_into_a_store_whose_ids_are_taken_keeps_every_message(
     ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
      ' "timestamp": 1, "content": 5}]}', "content must be"),
     ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
-     ' "timestamp": 1, "content": "a\\u0000b"}]}', "U\\+0000"),
-    ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
      ' "timestamp": 1, "token_count": -1}]}', "token_count must be null or an integer"),
-    # Stored, SQLite's JSON would write bytes no later read (the export included) decodes.
-    ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
-     ' "timestamp": 1, "content": "a\\udc00b"}]}', "lone surrogate"),
     ('{"id": "s", "started_at": 1, "messages": [{"id": 1, "turn_key": "k", "role": "user",'
      ' "timestamp": 1}, {"id": 1, "turn_key": "k", "role": "assistant", "timestamp": 2}]}',
      "two messages have one id"),
@@ -312,4 +307,5 @@ async def test_a_delete_committed_beside_a_turn_holding_nul_still_lands(
     await mem.flush()
     assert mem.stats().dead_letters == 0
     assert await mem.sessions.get_session("gone") is None
-    assert [m["content"] for m in await mem.sessions.messages("nul")] == ["a\x00b", "kept"]
+    assert [m["message"]["content"] for m in await mem.sessions.messages("nul")] == [
+        "a\x00b", "kept"]

@@ -141,6 +141,7 @@ async def test_conversation_puts_each_tool_result_after_its_call(mem: MemoryPipe
     await mem.flush()
     chat = await SessionReads(mem).conversation("s")
     assert chat == [
+        {"role": "system", "content": "be brief"},
         {"role": "user", "content": "weather and time?"},
         {"role": "assistant", "content": "",
          "tool_calls": [_call("c1", "weather"), _call("c2", "clock")]},

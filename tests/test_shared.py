@@ -230,7 +230,7 @@ async def test_a_batch_whose_lease_was_taken_over_is_not_committed(db: Path) -> 
         claimed = await store.claim_inbox("me", 30.0, 100)
         _set_lease(db, "x2", "someone-else", time.time() + 30)
         batch = Batch.of([t._replace(seq=row[0]) for t, row in zip(turns, claimed, strict=True)],
-                         "test")
+                         "test", store.ids)
         batch.inbox_ids, batch.lease_owner = [row[0] for row in claimed], "me"
         with pytest.raises(LeaseLostError):
             await store.commit_batch(batch)
@@ -250,7 +250,7 @@ async def test_handing_in_skips_turns_already_stored_or_waiting(db: Path) -> Non
         assert count_rows(db, "SELECT count(*) FROM inbox") == 2
         claimed = await store.claim_inbox("me", 30.0, 100)
         batch = Batch.of([t._replace(seq=row[0]) for t, row in zip(turns, claimed, strict=True)],
-                         "test")
+                         "test", store.ids)
         batch.inbox_ids, batch.lease_owner = [row[0] for row in claimed], "me"
         await store.commit_batch(batch)
         await _handed_in(store, turns)  # and again, after the worker stored them
@@ -346,7 +346,7 @@ async def test_old_done_keys_of_inbox_turns_are_pruned_and_recent_ones_kept(db: 
         await _handed_in(store, turns)
         claimed = await store.claim_inbox("me", 30.0, 100)
         batch = Batch.of([t._replace(seq=row[0]) for t, row in zip(turns, claimed, strict=True)],
-                         "test")
+                         "test", store.ids)
         batch.inbox_ids, batch.lease_owner = [row[0] for row in claimed], "me"
         await store.commit_batch(batch)
         conn = sqlite3.connect(db, isolation_level=None)

@@ -130,8 +130,9 @@ async def test_replica_turns_rebuilds_exactly_the_turns_asked_for(tmp_path: Path
         by_key = {t.key: t for t in committed}
         assert [t.key for t in turns] == [r.turn_key for r in wanted]
         for row, turn in zip(wanted, turns, strict=True):
-            assert turn.seq == row.id
-            assert turn.payload == by_key[row.turn_key].payload  # all messages, in order
+            assert turn.seq == row.id and turn.first_id == row.first_id
+            # all messages, in order, under the ids they were committed with
+            assert turn.payload == by_key[row.turn_key].with_first_id(row.first_id).payload
         assert await store.replica_turns([]) == []
     finally:
         await store.aclose()

@@ -40,10 +40,11 @@ from .test_outbox import run_child_until
 
 
 def turns_of(messages: list[Message]) -> Iterator[list[Message]]:
-    """The history Hermes hands over at the end of each turn of a recorded session."""
+    """Each turn's own messages of a recorded session (``sync_turn`` stores what it is
+    handed: a turn's messages, from its user message to the next)."""
     starts = [i for i, m in enumerate(messages) if m["role"] == "user"]
     for k in range(len(starts)):
-        yield messages[: starts[k + 1] if k + 1 < len(starts) else len(messages)]
+        yield messages[starts[k]: starts[k + 1] if k + 1 < len(starts) else len(messages)]
 
 
 def write(mem: MemoryPipeline, session: str, messages: list[Message], user_id: str = "ada"

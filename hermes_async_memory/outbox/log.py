@@ -20,6 +20,7 @@ import json
 import mmap
 import operator
 import os
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -27,7 +28,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..errors import CorruptOutboxError, QueueFullError, StoreError
+from ..message_ids import MessageIds
+from ..ops import ID_DIGITS
 from ..settings import OverflowPolicy
+from ..turns import ID_SLOT, has_id_slot
 from . import records as fmt
 from .records import COUNT_MASK, HEAD, HEADER_BYTES, KIND_TURN
 from .segments import Segment, map_segment, os_error, prefault, quarantine, scan
@@ -110,6 +114,9 @@ class Outbox:
         self._recovered = 0
         self._quarantined = (0, 0)
         self._lock_fd: int | None = None
+        # Set by a process that commits the store: each turn record takes its messages' ids
+        # as it is appended, in accept order (``message_ids``).
+        self.ids: MessageIds | None = None
 
     # -- life cycle (blocking: call it in a worker thread) ------------------------------
 
@@ -211,9 +218,11 @@ class Outbox:
 
     # -- accept (any thread) -------------------------------------------------------------
 
-    def append(self, payload: bytes, n_messages: int, kind: int = KIND_TURN) -> tuple[int, bool]:
-        """Make ``payload`` durable; returns its number and whether the backlog was past its
-        bounds (the writer is behind: the record waits in the log, as every record does).
+    def append(self, payload: bytes, n_messages: int, kind: int = KIND_TURN
+               ) -> tuple[int, bool, int | None]:
+        """Make ``payload`` durable; returns its number, whether the backlog was past its
+        bounds (the writer is behind: the record waits in the log, as every record does), and
+        the first id of its messages when it has an id slot and ``ids`` is set (else None).
 
         Raises:
             QueueFullError: the backlog is full and the policy is "reject"; nothing stored.
@@ -233,15 +242,19 @@ class Outbox:
                     f"{pending} turns ({self._pending_bytes} bytes) wait to be committed; "
                     "the overflow policy is 'reject'"
                 )
-            return self._write(payload, info), over
+            ids = self.ids
+            if ids is None or not n_messages or not has_id_slot(payload):
+                return self._write(payload, info), over, None
+            first = ids.take(n_messages)
+            return self._write(payload, info, str(first).rjust(ID_DIGITS).encode()), over, first
 
-    def _write(self, payload: bytes, info: int) -> int:
+    def _write(self, payload: bytes, info: int, slot: bytes | None = None) -> int:
         tail = self._tail
         assert tail is not None
         size = len(payload)
         if tail.offset + HEADER_BYTES + size > tail.size:
             tail = self._roll(size)
-        tail.offset = fmt.write(tail.mm, tail.offset, payload, info)
+        tail.offset = fmt.write(tail.mm, tail.offset, payload, info, slot)
         tail.appended += 1
         self._pending_bytes += size
         self._seq += 1
@@ -342,8 +355,24 @@ class Outbox:
                 del self._segments[number]
                 self._doomed.append(seg)
 
+    def oldest_pending_first_id(self) -> int | None:
+        """The first message id of the oldest record not yet settled, when it has one: no
+        record still to be committed holds a lower id (ids follow accept order)."""
+        payload = self._oldest_pending_payload()
+        return None if payload is None else _slot_id(payload[-ID_SLOT - 5:])
+
     def oldest_pending_accepted_at(self) -> float | None:
         """When the oldest record not yet settled was accepted (epoch seconds), or None."""
+        payload = self._oldest_pending_payload()
+        if payload is None:
+            return None
+        try:
+            at = json.loads(payload)["t"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            return None
+        return float(at) if isinstance(at, (int, float)) else None
+
+    def _oldest_pending_payload(self) -> bytes | None:
         with self._lock:
             if self._done_seq >= self._seq:
                 return None
@@ -363,11 +392,38 @@ class Outbox:
                 number, off = min(later), 0
             else:
                 return None
-        try:
-            at = json.loads(payload)["t"]
-        except (ValueError, KeyError, TypeError, RecursionError):
-            return None
-        return float(at) if isinstance(at, (int, float)) else None
+        return payload
+
+    def recovered_ids(self) -> tuple[int, int | None, list[tuple[str, int]]]:
+        """What the records an earlier run left say of message ids: (the highest id they
+        hold, or 0; the lowest, or None; the key and message count of each record with
+        messages but no ids, in order). Call it after ``open`` and before any append."""
+        highest, lowest = 0, None
+        missing: list[tuple[str, int]] = []
+        with self._lock:
+            seen = 0
+            for _, seg in sorted(self._segments.items()):
+                off, end, mm = 0, seg.offset, seg.mm
+                while off < end and seen < self._recovered:
+                    off = seg.skips.get(off, off)
+                    if off >= end:
+                        break
+                    _, size, _, info = HEAD.unpack_from(mm, off)
+                    start = off + HEADER_BYTES
+                    off = start + size
+                    seen += 1
+                    n = info & COUNT_MASK
+                    if not n:
+                        continue
+                    first = _slot_id(mm[start + size - ID_SLOT - 5 : start + size])
+                    if first is None:
+                        key = _KEY.search(mm[start : start + min(size, 600)])
+                        if key is not None:
+                            missing.append((json.loads(key.group(1)), n))
+                        continue
+                    highest = max(highest, first + n - 1)
+                    lowest = first if lowest is None else min(lowest, first)
+        return highest, lowest, missing
 
     # -- counts (any thread) -------------------------------------------------------------
 
@@ -496,6 +552,18 @@ class Outbox:
     def prefault(plan: list[tuple[int, int]]) -> None:
         """Run a prefault plan; blocking, so call it in a worker thread. Never writes data."""
         prefault(plan)
+
+
+# A record's key near its start (a turn's first field, an operation's second).
+_KEY = re.compile(rb'"k":("(?:[^"\\]|\\.)*")')
+
+
+def _slot_id(tail: bytes) -> int | None:
+    """The id in a record's id slot (its tail: ``,"i":`` then the slot and ``}``)."""
+    if not tail.startswith(b',"i":') or not tail.endswith(b"}"):
+        return None
+    digits = tail[5:-1].strip()
+    return int(digits) if digits.isdigit() else None
 
 
 class OutboxBusyError(StoreError):

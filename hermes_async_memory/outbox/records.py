@@ -34,13 +34,27 @@ def info_of(kind: int, n_messages: int) -> int:
     return (kind << 24) | min(n_messages, COUNT_MASK)
 
 
-def write(mm: mmap.mmap, off: int, payload: bytes, info: int) -> int:
-    """Write a record at ``off``, its commit mark last; returns where the next one goes."""
+def write(mm: mmap.mmap, off: int, payload: bytes, info: int, slot: bytes | None = None
+          ) -> int:
+    """Write a record at ``off``, its commit mark last; returns where the next one goes.
+
+    ``slot``: bytes that replace the payload's last ``len(slot) + 1`` but one (a turn's id
+    slot, ``turns.ID_SLOT``), filled as the record is written."""
     size = len(payload)
-    mm[off + HEADER_BYTES : off + HEADER_BYTES + size] = payload
-    _TAIL.pack_into(mm, off + 8, zlib.crc32(payload, zlib.crc32(_INFO.pack(info))), info)
+    start = off + HEADER_BYTES
+    mm[start : start + size] = payload
+    crc = zlib.crc32(_INFO.pack(info))
+    if slot is None:
+        crc = zlib.crc32(payload, crc)
+    else:
+        at = size - len(slot) - 1
+        mm[start + at : start + at + len(slot)] = slot
+        with memoryview(payload) as view:
+            crc = zlib.crc32(view[:at], crc)
+        crc = zlib.crc32(payload[-1:], zlib.crc32(slot, crc))
+    _TAIL.pack_into(mm, off + 8, crc, info)
     _MARK.pack_into(mm, off, MAGIC_U32, size)  # the commit mark: written last
-    return off + HEADER_BYTES + size
+    return start + size
 
 
 def valid_at(mm: mmap.mmap, off: int, end: int) -> int:

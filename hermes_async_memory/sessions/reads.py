@@ -285,9 +285,10 @@ class SessionReads:
 
     async def messages(self, session_id: str) -> list[dict[str, Any]]:
         """The session's messages as stored, in order ([] when none), as seed 001's
-        ``get_messages``: each a dict of id, session_id, turn_key, role, content, tool_calls
-        and metadata (decoded), tool_call_id, tool_name, timestamp, user_id and token_count
-        (None when the message reported none).
+        ``get_messages``: each a dict of id, session_id, turn_key, role, content (its text),
+        tool_calls and metadata (decoded), tool_call_id, tool_name, timestamp, user_id,
+        token_count (None when the message reported none), active (0: set aside by the
+        host), and ``message``: the message exactly as it was handed over, every key kept.
 
         Raises:
             InvalidSearchError: an invalid id. PipelineClosedError, StoreError.
@@ -297,14 +298,14 @@ class SessionReads:
         return await _read(self._store().get_messages(session))
 
     async def conversation(self, session_id: str) -> list[dict[str, Any]]:
-        """The session's messages in OpenAI chat format, in order ([] when none): each
-        ``{"role", "content"}``, with ``tool_calls`` (decoded) on an assistant message that
-        made calls, and ``tool_call_id`` (and ``name``, when stored) on a tool result.
+        """The session's messages as they were handed over, every key kept, in order ([]
+        when none). A message an earlier version stored comes back in OpenAI chat format:
+        ``{"role", "content"}``, with its ``tool_calls``, ``tool_call_id`` and ``name``.
 
         Each tool result comes right after the assistant message that made its call (the
         nearest one before it with that call id, else the nearest after), in the order of
-        the calls: what a chat API expects back. A result whose call is not stored stays
-        where it is.
+        the calls: what a chat API expects back (messages handed over in that order stay
+        as they are). A result whose call is not stored stays where it is.
 
         Raises:
             InvalidSearchError: an invalid id. PipelineClosedError, StoreError.
@@ -506,16 +507,8 @@ def pair_tool_results(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]
 
 
 def _chat_message(row: Mapping[str, Any]) -> dict[str, Any]:
-    msg: dict[str, Any] = {"role": row["role"], "content": row["content"] or ""}
-    calls = row["tool_calls"]  # decoded; text if an older writer stored it not as JSON
-    if row["role"] == "assistant" and isinstance(calls, list) and calls:
-        msg["tool_calls"] = calls
-    if row["role"] == "tool":
-        if row["tool_call_id"]:
-            msg["tool_call_id"] = row["tool_call_id"]
-        if row["tool_name"]:
-            msg["name"] = row["tool_name"]
-    return msg
+    message: dict[str, Any] = row["message"]
+    return message
 
 
 def _call_ids(message: Mapping[str, Any]) -> list[str]:

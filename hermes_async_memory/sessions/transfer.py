@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidTurnError
 from ..ops import encode_session_op
-from ..turns import MAX_TOKENS, Receipt, check_id, is_token_count
+from ..turns import MAX_TOKENS, Receipt, check_id, is_token_count, message_row
 from .lifecycle import InvalidSessionError
 
 if TYPE_CHECKING:
@@ -180,13 +180,26 @@ def _parse(line: str, number: int) -> tuple[dict[str, Any], list[list[Any]]]:
                 f"{where}: token_count must be null or an integer from 0 to {MAX_TOKENS}")
         ordinal = ordinals.get(turn, 0)
         ordinals[turn] = ordinal + 1
-        calls, md = m.get("tool_calls"), m.get("metadata")
-        out.append([mid, turn, ordinal, role, m.get("content"),
-                    None if calls is None else json.dumps(calls, ensure_ascii=False),
-                    m.get("tool_call_id"), m.get("tool_name"), float(stamp), m.get("user_id"),
-                    None if md is None else json.dumps(md, ensure_ascii=False,
-                                                       separators=(",", ":")), tokens])
-    texts = [v for m in out for v in m if isinstance(v, str)]
+        calls, md, given = m.get("tool_calls"), m.get("metadata"), m.get("message")
+        md_text = None if md is None else json.dumps(md, ensure_ascii=False,
+                                                     separators=(",", ":"))
+        if not isinstance(given, dict):  # an earlier version's line: its columns
+            given = {"role": role, "content": m.get("content")}
+            if calls is not None:
+                given["tool_calls"] = calls
+            if m.get("tool_call_id") is not None:
+                given["tool_call_id"] = m.get("tool_call_id")
+            if m.get("tool_name") is not None:
+                given["tool_name"] = m.get("tool_name")
+        try:  # the message as it was handed over: stored the same way
+            row = message_row(j, given)
+        except InvalidTurnError as exc:
+            raise InvalidImportError(f"{where}: {exc}") from None
+        if row[0] != role:
+            raise InvalidImportError(f"{where}: its message's role is not {role!r}")
+        out.append([mid, turn, ordinal, row[0], row[1], row[2], row[3], row[4],
+                    float(stamp), m.get("user_id"), md_text, tokens, row[7]])
+    texts = [v for m in out for v in m[:12] if isinstance(v, str)]
     texts += [v for v in doc.values() if isinstance(v, str)]
     if any("\x00" in t for t in texts):
         raise InvalidImportError(f"line {number}: holds U+0000, which an import cannot carry")

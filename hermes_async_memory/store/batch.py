@@ -10,11 +10,12 @@ import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..message_ids import MessageIds
 from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE
-from ..turns import TURN, Turn, payload_rows
+from ..turns import TURN, Turn, store_rows
 from .lifecycle import session_statements
 from .memories import op_statements, ops_done, replica_statement
-from .sql import sql_literal
+from .sql import ID_HIGH, sql_literal
 from .templates import template_statements
 from .tool_log import ToolLogConfig, log_statements
 
@@ -43,46 +44,50 @@ ON CONFLICT (id) DO UPDATE SET
     input_tokens = sessions.input_tokens + excluded.input_tokens,
     output_tokens = sessions.output_tokens + excluded.output_tokens;
 """
-# Every message of every turn in the batch, in batch order then message order. Each turn's
-# JSON is taken from the batch once (t) and its fields read with ->> (u), which parses it
-# once: json_extract on json_each's value re-renders the value for every call.
+# Every message of every turn in the batch, in batch order then message order, under the ids
+# its record took when it was accepted (``message_ids``). Each turn's JSON is taken from the
+# batch once (t) and its fields read with ->> (u), which parses it once: json_extract on
+# json_each's value re-renders the value for every call.
 INSERT_MESSAGES = """
 WITH t AS MATERIALIZED (
-    SELECT j.key AS i, j.value AS v FROM json_each({turns}) AS j
+    SELECT j.key AS n, j.value AS v FROM json_each({turns}) AS j
 ), u AS MATERIALIZED (
-    SELECT i, v ->> '$.s' AS s, v ->> '$.k' AS k, v ->> '$.t' AS ts, v ->> '$.u' AS u,
-           v ->> '$.c' AS c, v ->> '$.d' AS d, v -> '$.m' AS m
+    SELECT n, v ->> '$.i' AS i, v ->> '$.s' AS s, v ->> '$.k' AS k, v ->> '$.t' AS ts,
+           v ->> '$.u' AS u, v ->> '$.c' AS c, v ->> '$.d' AS d, v -> '$.m' AS m
     FROM t
 )
-INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
-                      tool_name, timestamp, user_id, scope, metadata, token_count)
-SELECT u.s, u.k, e.key, e.value ->> 0, e.value ->> 1, e.value ->> 2, e.value ->> 3,
-       e.value ->> 4, u.ts, u.u, u.c, u.d, e.value ->> 5
+INSERT INTO messages (id, session_id, turn_key, ordinal, role, content, tool_calls,
+                      tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count,
+                      fields)
+SELECT u.i + e.key, u.s, u.k, e.key, e.value ->> 0, e.value ->> 1, e.value ->> 2,
+       e.value ->> 3, e.value ->> 4, coalesce(e.value ->> 6, u.ts), u.u, u.c, u.d,
+       e.value ->> 5, e.value ->> 7
 FROM u, json_each(u.m) AS e
-ORDER BY u.i, e.key;
+ORDER BY u.n, e.key;
 """
 INSERT_MESSAGE_ROW = """
-INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
-                      tool_name, timestamp, user_id, scope, metadata, token_count)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+INSERT INTO messages (id, session_id, turn_key, ordinal, role, content, tool_calls,
+                      tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count,
+                      fields)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
 INDEX_BATCH = """
 INSERT INTO messages_fts (rowid, content, scope)
-SELECT id, content, scope FROM messages WHERE id > {start};
+SELECT id, content, scope FROM messages WHERE {mine};
 """
 # The batch's turns wait for the replica backend: one row per turn, with its message rows.
 INSERT_REPLICA = """
 INSERT INTO replica_outbox (backend, turn_key, session_id, first_id, n_messages)
-SELECT {backend}, turn_key, session_id, min(id), count(*) FROM messages WHERE id > {start}
+SELECT {backend}, turn_key, session_id, min(id), count(*) FROM messages WHERE {mine}
 GROUP BY turn_key ORDER BY min(id)
 ON CONFLICT (backend, turn_key) DO NOTHING;
 """
 # The batch's turns are 'done': one row per turn, read back from the messages it just
-# inserted (ids are consecutive inside the transaction), for one run of outbox segment.
+# inserted, for one run of outbox segment (its turns' ids: ``{run}``).
 INSERT_DONE = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, accepted_at, updated_at)
 SELECT turn_key, session_id, {segment}, 'done', 1, timestamp, {now}
-FROM messages WHERE id > {start} + {after} AND id <= {start} + {upto} AND ordinal = 0;
+FROM messages WHERE ({run}) AND ordinal = 0;
 """
 
 
@@ -97,13 +102,17 @@ class Batch:
     parameter is a string join.
     """
 
-    def __init__(self, source: str) -> None:
+    def __init__(self, source: str, ids: MessageIds | None = None) -> None:
         self.source = source
+        # Gives ids to a turn that came without (a producer's, an earlier version's).
+        self._ids = ids
         self.turns: list[Turn] = []
         self.n_messages = 0
         self._payloads: list[str] = []
-        # Runs of consecutive turns from one outbox segment: [segment, messages in the run].
-        self._runs: list[list[int]] = []
+        # Runs of consecutive turns from one outbox segment: [segment, [(first id, last id)
+        # of each turn]].
+        self._runs: list[list[Any]] = []
+        self._spans: list[tuple[int, int]] = []  # every turn's (first id, last id)
         # Each session's share of the batch: [source, user_id, model, parent_session_id,
         # started_at, messages, tool calls, input tokens, output tokens]; text fields keep the
         # least (source, parent) or greatest (user, model) value seen, as SQL's min and max.
@@ -117,8 +126,8 @@ class Batch:
         self.ops: list[Turn] = []  # operations' records, in batch order
 
     @classmethod
-    def of(cls, turns: Sequence[Turn], source: str) -> Batch:
-        batch = cls(source)
+    def of(cls, turns: Sequence[Turn], source: str, ids: MessageIds | None = None) -> Batch:
+        batch = cls(source, ids)
         batch.add(turns)
         return batch
 
@@ -126,7 +135,15 @@ class Batch:
         return len(self.turns)
 
     def add(self, items: Sequence[Turn]) -> None:
+        """Add turns (and operations), in order. A turn without ids takes its ids here.
+
+        Raises:
+            ValueError: a turn without ids, and no ``ids`` to give them.
+        """
         self._session_json = None
+        if any([t.first_id is None and t.kind == TURN for t in items]):
+            items = [self._with_ids(t) if t.first_id is None and t.kind == TURN else t
+                     for t in items]
         self.turns.extend(items)
         turns: Sequence[Turn] = items
         if any([t.kind != TURN for t in items]):  # operations: applied by their statements
@@ -157,15 +174,24 @@ class Batch:
             row[8] += t.output_tokens
         self._has_nul = self._has_nul or any([t.has_nul for t in turns])
         self._payloads.extend([t.payload for t in turns])
-        runs = self._runs
+        runs, spans = self._runs, self._spans
         for t in turns:
             self.n_messages += t.n_messages
             if t.tool_calls:
                 self._has_tool_calls = True
+            first = t.first_id
+            assert first is not None  # given above
+            span = (first, first + t.n_messages - 1)
+            spans.append(span)
             if runs and runs[-1][0] == t.segment:
-                runs[-1][1] += t.n_messages
+                runs[-1][1].append(span)
             else:
-                runs.append([t.segment, t.n_messages])
+                runs.append([t.segment, [span]])
+
+    def _with_ids(self, t: Turn) -> Turn:
+        if self._ids is None:
+            raise ValueError(f"turn {t.key} has no message ids and the batch cannot give any")
+        return t.with_first_id(self._ids.for_record(t.key, t.n_messages))
 
     @property
     def has_nul(self) -> bool:
@@ -174,7 +200,12 @@ class Batch:
 
     def message_rows(self) -> list[tuple[Any, ...]]:
         """The messages as bound rows, for a batch whose text SQLite's JSON would cut."""
-        return [row for payload in self._payloads for row in payload_rows(payload)]
+        return [row for payload in self._payloads for row in store_rows(payload)]
+
+    def mine(self, column: str = "id") -> str:
+        """The SQL condition on ``column`` (a message id) that holds for this batch's
+        messages: their id ranges (a batch's turns took consecutive ids as a rule)."""
+        return id_ranges(self._spans, column)
 
     def literal_parts(self) -> list[str]:
         """The turns' JSON as an SQL string literal, in pieces to join once with the rest of
@@ -189,14 +220,9 @@ class Batch:
         parts.append("]'")
         return parts
 
-    def segment_runs(self, first_id: int) -> list[tuple[int, int, int]]:
-        """(segment, after id, up to id) of each run, given the id before the batch's first."""
-        out = []
-        start = first_id
-        for segment, n in self._runs:
-            out.append((segment, start, start + n))
-            start += n
-        return out
+    def segment_runs(self) -> list[tuple[int, str]]:
+        """(segment, the SQL condition on a message's id for its turns) of each run."""
+        return [(segment, id_ranges(spans, "id")) for segment, spans in self._runs]
 
     def session_count(self) -> int:
         return len(self._sessions)
@@ -230,21 +256,20 @@ class Batch:
         session lifecycle events (with replica rows of their own whenever there is a
         ``replica``) and the template records (with replica rows of their own when
         ``replica_templates``), each kind in batch order, and their keys marked 'done'."""
-        # The batch's messages are the last n_messages rows once inserted: ids are
-        # consecutive inside the transaction.
-        start = f"((SELECT max(id) FROM messages) - {int(self.n_messages)})"
+        mine = self.mine()
         now_sql = repr(now)
-        script = [INSERT_REPLICA.format(backend=sql_literal(replica), start=start)
+        script = [INSERT_REPLICA.format(backend=sql_literal(replica), mine=mine)
                   ] if replica else []
-        script += [INDEX_BATCH.format(start=start),
-                   UPSERT_SESSIONS.format(rows=self.session_rows(), now=now_sql,
-                                          source=sql_literal(self.source))]
+        if self._spans:
+            script += [INDEX_BATCH.format(mine=mine),
+                       ID_HIGH.format(high=max(last for _, last in self._spans)),
+                       UPSERT_SESSIONS.format(rows=self.session_rows(), now=now_sql,
+                                              source=sql_literal(self.source))]
         if tool_log is not None and self._has_tool_calls:
-            script += log_statements(tool_log, start)
+            script += log_statements(tool_log, self.mine)
         script += [
-            INSERT_DONE.format(segment=int(segment), now=now_sql, start=start, after=after,
-                               upto=upto)
-            for segment, after, upto in self.segment_runs(0)
+            INSERT_DONE.format(segment=int(segment), now=now_sql, run=run)
+            for segment, run in self.segment_runs()
         ]
         if self.ops:
             kv = [t for t in self.ops if t.kind == OP_KV]
@@ -252,7 +277,8 @@ class Batch:
                 script += op_statements(kv, replica if replica_kv else None)
             lifecycle = [t for t in self.ops if t.kind == OP_SESSION]
             if lifecycle:
-                script += session_statements(lifecycle, self.source, replica, tool_log)
+                script += session_statements(lifecycle, self.source, replica, tool_log,
+                                             self._ids)
             templates = [t for t in self.ops if t.kind == OP_TEMPLATE]
             if templates:
                 script += template_statements(templates)
@@ -275,3 +301,19 @@ class Batch:
             "DELETE FROM temp.lease_guard;",
             f"DELETE FROM inbox WHERE id IN ({ids});",
         ]
+
+
+def id_ranges(spans: Sequence[tuple[int, int]], column: str) -> str:
+    """The SQL condition that ``column`` is in one of ``spans`` (first, last), adjacent and
+    overlapping spans merged; ``0`` (false) for none."""
+    merged: list[list[int]] = []
+    for first, last in sorted(spans):
+        if merged and first <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], last)
+        else:
+            merged.append([first, last])
+    if not merged:
+        return "0"
+    return "(" + " OR ".join(
+        f"{column} = {a}" if a == b else f"{column} BETWEEN {a} AND {b}"
+        for a, b in merged) + ")"

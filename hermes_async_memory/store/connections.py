@@ -32,6 +32,7 @@ from ..faults import (
     SQLITE_READONLY,
     sqlite_code,
 )
+from ..message_ids import MessageIds
 from .schema import check_current, check_tables, migrate
 from .tool_log import OUTCOME_FUNCTION, ToolLogConfig, outcome_function
 
@@ -74,6 +75,9 @@ class Connections:
         # What commits do with tool calls (procedural memory); None: they are not logged.
         # Set before open(): the writer connection registers its outcome function.
         self.tool_log: ToolLogConfig | None = None
+        # The message ids of this store's commits (and, through the outbox, of its accepts):
+        # set above the highest stored at open.
+        self.ids = MessageIds()
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -110,6 +114,11 @@ class Connections:
                 self._all_readers.append(conn)
                 self._readers.put_nowait(conn)
             await check_tables(self._writer)
+            async with self._writer.execute(
+                    "SELECT max(coalesce((SELECT max(id) FROM messages), 0), "
+                    "coalesce((SELECT max(high) FROM message_id_high), 0))") as cur:
+                row = await cur.fetchone()
+            self.ids.start_after(int(row[0]) if row else 0)
         except (sqlite3.Error, OSError) as exc:
             await self.aclose()
             code = sqlite_code(exc)

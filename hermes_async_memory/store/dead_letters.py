@@ -98,7 +98,7 @@ class DeadLetters(Connections):
                 await db.execute("ROLLBACK")
                 return "not a dead letter"
             try:
-                batch = Batch.of([_dead_turn(key, row[0], row[1])], self.source)
+                batch = Batch.of([_dead_turn(key, row[0], row[1])], self.source, self.ids)
                 await db.execute("DELETE FROM outbox WHERE key = ?", (key,))
                 # Bound row by row, as commit_batch does for text with NUL: one turn, and
                 # inside a transaction executescript would first commit.

@@ -31,10 +31,12 @@ import json
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from ..ops import SNAPSHOT_FIELD, SessionOp, parse_session
+from ..message_ids import MessageIds
+from ..ops import IMPORTED_MESSAGE_FIELDS, SNAPSHOT_FIELD, SessionOp, parse_session
 from ..turns import Turn, scope_tokens
 from .connections import Connections
 from .sql import (
+    ID_HIGH,
     KEY_CHUNK,
     SESSION_MESSAGES,
     decode_message,
@@ -121,8 +123,9 @@ IMPORTED_ROW = "EXISTS (SELECT 1 FROM sessions WHERE id = {id} AND started_at = 
 # An imported session: its exported row goes in as it was, if the session is not there; each
 # part of its messages goes in if the session is the exported one (same start) and the part's
 # first turn is not there yet (so a second import of the file changes nothing). The messages
-# keep their exported ids when those are free; when another session's messages hold them,
-# they take new ids, in order.
+# keep their exported ids when every one is free and below every id this process may still
+# give out (``MessageIds.floor``, checked as the statement is made); otherwise they take the
+# ids their record took as it was accepted, in order.
 IMPORT_ROW = """
 INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
                       ended_at, end_reason, message_count, tool_call_count, input_tokens,
@@ -142,45 +145,48 @@ AND NOT EXISTS (SELECT 1 FROM messages WHERE session_id = {id} AND turn_key = {f
 """
 IMPORT_IDS_FREE = """NOT EXISTS (SELECT 1 FROM messages WHERE id IN (
     SELECT f.value ->> 0 FROM json_each({rows}) AS f))"""
+# Which ids the part's messages take: 1, their own (exported); 0, their record's.
+IMPORT_CHOICE = """
+INSERT INTO temp.import_fresh (n) SELECT {kept} AND {free} WHERE ({new});
+"""
+_KEPT = "(SELECT n FROM temp.import_fresh)"
 _IMPORT_COLUMNS = """{id}, e.value ->> 1, e.value ->> 2, e.value ->> 3, e.value ->> 4,
        e.value ->> 5, e.value ->> 6, e.value ->> 7, e.value ->> 8, e.value ->> 9, {scope},
-       e.value ->> 10, e.value ->> 11
+       e.value ->> 10, e.value ->> 11, e.value ->> 12
 FROM json_each({rows}) AS e"""
-IMPORT_MESSAGES = """
-INSERT INTO messages_fts (rowid, content, scope)
-SELECT e.value ->> 0, e.value ->> 4, {scope} FROM json_each({rows}) AS e
-WHERE ({new}) AND {free};
+_IMPORT_ID = f"iif({_KEPT}, e.value ->> 0, {{first}} + e.key)"
+IMPORT_MESSAGES = IMPORT_CHOICE + """
 INSERT INTO messages (id, session_id, turn_key, ordinal, role, content, tool_calls,
-                      tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count)
-SELECT e.value ->> 0, """ + _IMPORT_COLUMNS + """
-WHERE ({new}) AND {free} ORDER BY e.key;
-INSERT INTO temp.import_fresh (n) SELECT {n} WHERE ({new});
-INSERT INTO messages (session_id, turn_key, ordinal, role, content, tool_calls, tool_call_id,
-                      tool_name, timestamp, user_id, scope, metadata, token_count)
-SELECT """ + _IMPORT_COLUMNS + """
+                      tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count,
+                      fields)
+SELECT """ + _IMPORT_ID + ", " + _IMPORT_COLUMNS + """
 WHERE EXISTS (SELECT 1 FROM temp.import_fresh) ORDER BY e.key;
 INSERT INTO messages_fts (rowid, content, scope)
-SELECT id, content, scope FROM messages
-WHERE EXISTS (SELECT 1 FROM temp.import_fresh)
-  AND id > (SELECT max(id) FROM messages) - {n};
+SELECT """ + _IMPORT_ID + """, e.value ->> 4, {scope} FROM json_each({rows}) AS e
+WHERE EXISTS (SELECT 1 FROM temp.import_fresh);
 DELETE FROM temp.import_fresh;
 """
 
 
 def session_statements(ops: Sequence[Turn], default_source: str,
-                       replica: str | None = None, tool_log: ToolLogConfig | None = None
-                       ) -> list[str]:
+                       replica: str | None = None, tool_log: ToolLogConfig | None = None,
+                       ids: MessageIds | None = None) -> list[str]:
     """The statements that apply lifecycle events ``ops``, in order, for a batch's
     transaction (their outbox keys are marked done with the batch's other operations); with
     ``replica``, each event that changed its session also waits for that backend; with
-    ``tool_log``, an import's tool calls are logged."""
+    ``tool_log``, an import's tool calls are logged; ``ids`` gives an import's messages ids
+    when its record came without (and says which exported ids may be kept).
+
+    Raises:
+        ValueError: an import without ids, and no ``ids``.
+    """
     script = []
     for t in ops:
         op = parse_session(json.loads(t.payload), t.payload)
         waits = "" if replica is None else _replica_row(op, t.payload, replica)
         if op.action == "import":
             # Between the row and the messages: whether the messages go in is known there.
-            script += [_import_row(op, default_source), waits, _import_messages(op)]
+            script += [_import_row(op, default_source), waits, _import_messages(op, ids)]
             if tool_log is not None and op.messages and any(m[5] for m in op.messages):
                 script += session_log_statements(tool_log, sql_literal(op.session_id))
         else:
@@ -244,15 +250,24 @@ def _import_new(op: SessionOp) -> str:
                              first_turn=sql_literal(str(messages[0][1])))
 
 
-def _import_messages(op: SessionOp) -> str:
+def _import_messages(op: SessionOp, ids: MessageIds | None) -> str:
     messages = op.messages or []
     if not messages:
         return ""
-    rows = sql_literal(_JSON.encode(messages))
+    first = op.first_id
+    if first is None:
+        if ids is None:
+            raise ValueError(f"import {op.record_key} has no message ids and none can be given")
+        first = ids.for_record(op.record_key, len(messages))
+    floor = ids.floor if ids is not None else 0
+    kept = int(all(m[0] < floor for m in messages))
+    rows = sql_literal(_JSON.encode([m if len(m) == IMPORTED_MESSAGE_FIELDS else [*m, None]
+                                     for m in messages]))
     return IMPORT_MESSAGES.format(
-        rows=rows, new=_import_new(op), free=IMPORT_IDS_FREE.format(rows=rows), n=len(messages),
-        scope=sql_literal(scope_tokens(op.user_id, op.session_id)),
-        id=sql_literal(op.session_id))
+        rows=rows, new=_import_new(op), free=IMPORT_IDS_FREE.format(rows=rows), kept=kept,
+        first=int(first), scope=sql_literal(scope_tokens(op.user_id, op.session_id)),
+        id=sql_literal(op.session_id)) + ID_HIGH.format(
+            high=max(int(first) + len(messages) - 1, *(int(m[0]) for m in messages)))
 
 
 def _text(value: object) -> str:

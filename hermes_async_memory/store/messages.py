@@ -56,7 +56,7 @@ class Messages(Connections):
 
     async def commit(self, turns: Sequence[Turn]) -> None:
         """Store ``turns`` in one transaction (see ``commit_batch``)."""
-        await self.commit_batch(Batch.of(turns, self.source))
+        await self.commit_batch(Batch.of(turns, self.source, self.ids))
 
     async def commit_batch(self, batch: Batch) -> None:
         """Store a batch in one transaction: messages, their index, and outbox rows 'done'.

@@ -19,7 +19,7 @@ from .sql import KEY_CHUNK
 # key range search per turn (the CROSS JOIN keeps the list as the outer loop).
 _TURN_MESSAGES = """
 SELECT m.turn_key, m.session_id, m.user_id, m.timestamp, m.role, m.content, m.tool_calls,
-       m.tool_call_id, m.tool_name, m.metadata, m.token_count
+       m.tool_call_id, m.tool_name, m.metadata, m.token_count, m.fields, m.id
 FROM json_each(?) AS r CROSS JOIN messages AS m
 WHERE m.id >= json_extract(r.value, '$[0]') AND m.id < json_extract(r.value, '$[1]')
   AND m.turn_key = json_extract(r.value, '$[2]')
@@ -101,9 +101,9 @@ class ReplicaOutbox(Connections):
             metadata = json.loads(first[9]) if first[9] else None
             turns.append(Turn.build(
                 key=r.turn_key, session_id=first[1], user_id=first[2], accepted_at=first[3],
-                messages=[(m[4], m[5] or "", m[6], m[7], m[8]) if m[10] is None
-                          else (m[4], m[5] or "", m[6], m[7], m[8], m[10]) for m in msgs],
-                metadata=metadata,
+                messages=[(m[4], m[5], m[6], m[7], m[8], m[10],
+                           None if m[3] == first[3] else m[3], m[11]) for m in msgs],
+                metadata=metadata, first_id=first[12],
             )._replace(seq=r.id))
         return turns
 

@@ -20,7 +20,13 @@ from .tool_log import ToolLogConfig, range_log_statements
 # 7: sessions count tool calls as Hermes does (the entries of the assistants' tool_calls; a
 #    tool message counted too before): recounted. The calls of turns committed before
 #    version 5 are logged. A deleted template's sessions are detached from its name.
-SCHEMA_VERSION = 7
+# 8: messages are stored as given: each keeps every key a column does not hold in ``fields``
+#    (JSON), its own timestamp, and Hermes's ``active`` and ``compacted`` flags; Hermes's
+#    per-message columns read from ``fields`` (generated). Sessions carry every column of
+#    Hermes Agent 0.19's session table (title, cwd, git, chat, billing, cost, api calls, ...),
+#    and ``session_model_usage`` their usage per model and billing route (added columns and a
+#    new table).
+SCHEMA_VERSION = 8
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -41,6 +47,8 @@ CREATE TABLE IF NOT EXISTS sessions (
     model_config TEXT,  -- JSON object, as the host gave it
     system_prompt TEXT,  -- the latest snapshot
     tokens_estimated INTEGER NOT NULL DEFAULT 0  -- 1: some counts were estimated from text
+    -- Hermes Agent 0.19's session columns, as it names them: SESSION_COLUMNS below, added
+    -- by add_missing_columns, so that a new file and an upgraded one are the same.
 );
 CREATE INDEX IF NOT EXISTS idx_sessions_user ON sessions(user_id);
 CREATE INDEX IF NOT EXISTS idx_sessions_source ON sessions(source, started_at DESC);
@@ -61,6 +69,7 @@ CREATE TABLE IF NOT EXISTS messages (
     scope TEXT NOT NULL,
     metadata TEXT,
     token_count INTEGER  -- as the message reported it (its own, or its usage); else NULL
+    -- fields, active, compacted and Hermes's per-message columns: MESSAGE_COLUMNS below.
 );
 CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, id);
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
@@ -225,6 +234,35 @@ CREATE TABLE IF NOT EXISTS template_sessions (
     first_errors INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS idx_template_sessions_type ON template_sessions(task_type);
+-- The highest message id ever given, so that a deleted message's id is never given again
+-- (ids are given as messages are accepted: message_ids): one row.
+CREATE TABLE IF NOT EXISTS message_id_high (high INTEGER NOT NULL);
+INSERT INTO message_id_high (high)
+SELECT coalesce((SELECT max(id) FROM messages), 0) WHERE NOT EXISTS (SELECT 1 FROM message_id_high);
+-- Hermes Agent's usage per model and billing route of a session (its session_model_usage),
+-- summed by the session store's usage records (store.usage).
+CREATE TABLE IF NOT EXISTS session_model_usage (
+    session_id TEXT NOT NULL,
+    model TEXT NOT NULL,
+    billing_provider TEXT NOT NULL DEFAULT '',
+    billing_base_url TEXT NOT NULL DEFAULT '',
+    billing_mode TEXT NOT NULL DEFAULT '',
+    task TEXT NOT NULL DEFAULT '',
+    api_call_count INTEGER NOT NULL DEFAULT 0,
+    input_tokens INTEGER NOT NULL DEFAULT 0,
+    output_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_read_tokens INTEGER NOT NULL DEFAULT 0,
+    cache_write_tokens INTEGER NOT NULL DEFAULT 0,
+    reasoning_tokens INTEGER NOT NULL DEFAULT 0,
+    estimated_cost_usd REAL NOT NULL DEFAULT 0,
+    actual_cost_usd REAL NOT NULL DEFAULT 0,
+    cost_status TEXT,
+    cost_source TEXT,
+    first_seen REAL,
+    last_seen REAL,
+    PRIMARY KEY (session_id, model, billing_provider, billing_base_url, billing_mode, task)
+);
+CREATE INDEX IF NOT EXISTS idx_session_model_usage_model ON session_model_usage(model);
 CREATE TRIGGER IF NOT EXISTS memories_fts_insert AFTER INSERT ON memories BEGIN
     INSERT INTO memories_fts(rowid, key, value, scope)
     VALUES (new.id, new.key, new.value, new.scope);
@@ -253,6 +291,46 @@ _ADDED_COLUMNS = (
     # 1: the template the session started from was deleted (its name may be taken again).
     ("template_sessions", "detached", "INTEGER NOT NULL DEFAULT 0"),
 )
+# Version 8: a message's keys no column holds, as given (JSON; see turns.message_row), and
+# Hermes's flags: 0 in active is a message the host set aside (rewound, compacted).
+MESSAGE_COLUMNS = (
+    ("messages", "fields", "TEXT"),
+    ("messages", "active", "INTEGER NOT NULL DEFAULT 1"),
+    ("messages", "compacted", "INTEGER NOT NULL DEFAULT 0"),
+    # Hermes's per-message columns, read from the fields: nothing stored twice.
+    *(("messages", name, f"{kind} GENERATED ALWAYS AS ({expr}) VIRTUAL")
+    for name, kind, expr in (
+        ("finish_reason", "TEXT", "fields ->> '$.finish_reason'"),
+        ("reasoning", "TEXT", "fields ->> '$.reasoning'"),
+        ("reasoning_content", "TEXT", "fields ->> '$.reasoning_content'"),
+        ("reasoning_details", "TEXT", "fields -> '$.reasoning_details'"),
+        ("codex_reasoning_items", "TEXT", "fields -> '$.codex_reasoning_items'"),
+        ("codex_message_items", "TEXT", "fields -> '$.codex_message_items'"),
+        ("platform_message_id", "TEXT",
+         "coalesce(fields ->> '$.platform_message_id', fields ->> '$.message_id')"),
+        ("observed", "INTEGER", "coalesce(fields ->> '$.observed', 0)"),
+        ("effect_disposition", "TEXT", "fields ->> '$.effect_disposition'"),
+        ("api_content", "TEXT", "fields ->> '$.api_content'"),
+    )),
+)
+# Hermes Agent 0.19's session columns beside ours (its hermes_state.SCHEMA_SQL).
+SESSION_COLUMNS = tuple(("sessions", name, decl) for name, decl in (
+    ("session_key", "TEXT"), ("chat_id", "TEXT"), ("chat_type", "TEXT"),
+    ("thread_id", "TEXT"), ("display_name", "TEXT"), ("origin_json", "TEXT"),
+    ("expiry_finalized", "INTEGER DEFAULT 0"),
+    ("cache_read_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("cache_write_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("reasoning_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("cwd", "TEXT"), ("git_branch", "TEXT"), ("git_repo_root", "TEXT"),
+    ("billing_provider", "TEXT"), ("billing_base_url", "TEXT"), ("billing_mode", "TEXT"),
+    ("estimated_cost_usd", "REAL"), ("actual_cost_usd", "REAL"), ("cost_status", "TEXT"),
+    ("cost_source", "TEXT"), ("pricing_version", "TEXT"), ("title", "TEXT"),
+    ("api_call_count", "INTEGER NOT NULL DEFAULT 0"), ("handoff_state", "TEXT"),
+    ("handoff_platform", "TEXT"), ("handoff_error", "TEXT"),
+    ("compression_failure_cooldown_until", "REAL"), ("compression_failure_error", "TEXT"),
+    ("compression_fallback_streak", "INTEGER NOT NULL DEFAULT 0"), ("profile_name", "TEXT"),
+    ("rewind_count", "INTEGER NOT NULL DEFAULT 0"), ("archived", "INTEGER NOT NULL DEFAULT 0"),
+))
 RECOUNT_TOOL_CALLS = """
 UPDATE sessions SET tool_call_count = (
     SELECT coalesce(sum(CASE WHEN json_valid(m.tool_calls)
@@ -389,8 +467,8 @@ async def check_tables(db: aiosqlite.Connection) -> None:
 async def add_missing_columns(db: aiosqlite.Connection) -> None:
     """Columns added since a table was first created (CREATE IF NOT EXISTS keeps an
     older table as it is)."""
-    for table, column, decl in _ADDED_COLUMNS:
-        async with db.execute(f"PRAGMA table_info({table})") as cur:
+    for table, column, decl in (*_ADDED_COLUMNS, *MESSAGE_COLUMNS, *SESSION_COLUMNS):
+        async with db.execute(f"PRAGMA table_xinfo({table})") as cur:
             have = {row[1] for row in await cur.fetchall()}
         if column not in have:
             await db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")

@@ -10,6 +10,8 @@ from typing import Any
 
 import aiosqlite
 
+from ..turns import message_of
+
 # Keys per IN (...) lookup, well under SQLite's bound-parameter limit.
 KEY_CHUNK = 500
 
@@ -47,16 +49,24 @@ async def fetch_dicts(db: aiosqlite.Connection, sql: str,
         return [dict(zip(names, row, strict=True)) for row in await cur.fetchall()]
 
 
-# A message as read back (seed 001's ``get_messages`` columns, plus its turn): for the
-# library's reads, the export and the admin CLI alike.
+# A commit that inserts messages raises the highest id ever given (``message_id_high``).
+ID_HIGH = "UPDATE message_id_high SET high = max(high, {high});"
+
+# A message as read back (seed 001's ``get_messages`` columns, plus its turn, its fields and
+# whether the host set it aside): for the library's reads, the export and the admin CLI alike.
 MESSAGE_COLUMNS = ("id, session_id, turn_key, role, content, tool_calls, tool_call_id, "
-                   "tool_name, timestamp, user_id, metadata, token_count")
+                   "tool_name, timestamp, user_id, metadata, token_count, fields, active")
 SESSION_MESSAGES = f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = ? ORDER BY id"
 
 
 def decode_message(message: dict[str, Any]) -> dict[str, Any]:
-    """``message`` (``MESSAGE_COLUMNS``) with its tool calls and metadata decoded; text that
-    is not JSON (written by an older version) is kept as stored."""
+    """``message`` (``MESSAGE_COLUMNS``) with its tool calls and metadata decoded (text that
+    is not JSON, written by an older version, is kept as stored), and ``message``: the
+    message exactly as it was handed over (``turns.message_of``); ``fields`` goes into it."""
+    fields = message.pop("fields", None)
+    message["message"] = message_of(message["role"], message["content"],
+                                    message["tool_calls"], message["tool_call_id"], fields,
+                                    tool_name=message["tool_name"])
     for name in ("tool_calls", "metadata"):
         if message[name]:
             with contextlib.suppress(ValueError):

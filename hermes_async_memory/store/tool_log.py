@@ -159,11 +159,10 @@ class ToolLogConfig(NamedTuple):
     fix_window_s: float
 
 
-def log_statements(config: ToolLogConfig, start: str) -> list[str]:
-    """The statements that log a batch's tool calls, given the SQL for the id before the
-    batch's first message."""
-    return _statements(config, lambda alias: f"{alias}.id > {start}",
-                       f"message_id > {start}")
+def log_statements(config: ToolLogConfig, mine: Callable[[str], str]) -> list[str]:
+    """The statements that log a batch's tool calls, given ``mine(column)``: the SQL
+    condition that ``column`` is the id of one of the batch's messages."""
+    return _statements(config, lambda alias: mine(f"{alias}.id"), mine("message_id"))
 
 
 def range_log_statements(config: ToolLogConfig, after: int, upto: int) -> list[str]:

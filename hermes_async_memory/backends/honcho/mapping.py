@@ -137,6 +137,7 @@ class Mapper:
         than a message may be."""
         honcho = sdk()
         role, content, calls_json, call_id, tool_name = m[:5]
+        content = content or ""
         step = self.config.max_message_chars
         parts = [content[i:i + step] for i in range(0, len(content), step)] or [""]
         msgs = []
