@@ -20,6 +20,7 @@ import structlog.testing
 
 from hermes_async_memory import (
     HermesMemoryProvider,
+    InvalidTurnError,
     PipelineClosedError,
     Settings,
     StoreError,
@@ -28,7 +29,6 @@ from hermes_async_memory import (
 from hermes_async_memory.hermes import config as hconfig
 from hermes_async_memory.hermes.runtime import Runtime
 from hermes_async_memory.hermes.search_tool import SEARCH_TOOL, SYSTEM_PROMPT
-from hermes_async_memory.hermes.turn_messages import this_turn
 from hermes_async_memory.memory import MEMORY_TOOL
 
 from .helpers import stored_turns
@@ -271,12 +271,15 @@ def test_sixteen_threads_lose_nothing_duplicate_nothing_and_keep_session_order(
             assert len({r["turn_key"] for r in rows}) == turns_per_session
 
 
-# -- the turn's own messages -----------------------------------------------------------------
+# -- the turn's own messages (shape by shape: tests/test_hermes_turn_span.py) -------------
 
 
-def test_this_turn_ignores_a_next_turn_appended_meanwhile() -> None:
-    """Hermes hands its live list to a worker thread; the next user message may be there."""
-    messages = [
+def test_this_turn_ignores_a_next_turn_appended_meanwhile(
+        provider: HermesMemoryProvider) -> None:
+    """Hermes hands its live list to a worker thread; the next user message may be there.
+    The turn is stored as given: its tool call, its result, its reply, and the user message
+    as Hermes holds it (not replaced by the cleaned text Hermes passes)."""
+    messages: list[dict[str, Any]] = [
         {"role": "user", "content": "old"}, {"role": "assistant", "content": "old answer"},
         {"role": "user", "content": "raw /skill text\nwhat is up"},
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
@@ -284,25 +287,23 @@ def test_this_turn_ignores_a_next_turn_appended_meanwhile() -> None:
         {"role": "assistant", "content": "final"},
         {"role": "user", "content": "the next turn, already started"},
     ]
-    rows = this_turn(messages, "what is up", "final")
-    assert rows is not None
-    assert [(m["role"], m["content"]) for m in rows] == [
-        ("user", "what is up"), ("assistant", None), ("tool", "result"), ("assistant", "final"),
-    ]
+    provider.sync_turn("what is up", "final", session_id="s1", messages=messages)
+    provider.flush(WAIT_S)
+    assert [r["message"] for r in provider.get_messages("s1")] == messages[2:6]
     assert messages[2]["content"] == "raw /skill text\nwhat is up", "the caller's list is kept"
-    assert this_turn([{"role": "system", "content": "x"}], "u", "a") is None
 
 
-def test_a_turn_whose_tool_messages_cannot_be_stored_keeps_its_text(
+def test_a_turn_whose_tool_messages_cannot_be_stored_is_refused_loudly(
     provider: HermesMemoryProvider,
 ) -> None:
-    messages = [{"role": "user", "content": "hello"},
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "hello"},
                 {"role": "assistant", "content": "", "tool_calls": [{"bad": {1, 2}}]},
                 {"role": "assistant", "content": "bye"}]
-    provider.sync_turn("hello", "bye", session_id="s1", messages=messages)
+    with pytest.raises(InvalidTurnError, match="tool_calls"):
+        provider.sync_turn("hello", "bye", session_id="s1", messages=messages)
+    assert provider.refused_turns == 1
     provider.flush(WAIT_S)
-    assert [(r["role"], r["content"]) for r in provider.get_messages("s1")] == [
-        ("user", "hello"), ("assistant", "bye")]
+    assert provider.get_messages("s1") == []  # nothing dropped silently: nothing stored
 
 
 # -- hooks -------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from ..settings import Settings
 from . import config as _config
 from .runtime import Runtime, acquire, release
 from .search_tool import SEARCH_SCHEMA, SEARCH_TOOL, SYSTEM_PROMPT, search_arguments
-from .turn_messages import this_turn, token_counts
+from .turn_messages import Span, TurnCursors, token_counts
 from .warm import WarmStarts, tools_summary
 
 if TYPE_CHECKING:
@@ -78,11 +78,17 @@ _PIPELINE_TOOLS: dict[str, Callable[[MemoryPipeline, str | None, Any],
 PRE_COMPRESS_USER_MESSAGES = 4
 PRE_COMPRESS_QUERY_CHARS = 2000
 PRE_COMPRESS_TIMEOUT_S = 2.0
-# Sessions whose lineage (parent session) is remembered for their turns' metadata.
+# Sessions whose lineage (parent session) is remembered for their turns' metadata; also the
+# bound on the sessions whose place in Hermes's conversation list is remembered (sync_turn).
 MAX_LINEAGE = 256
 
 class HermesMemoryProvider(_ProviderBase):
     """A Hermes Agent memory provider: turns durable without waiting, recall prefetched.
+
+    Each turn is stored as its own span of the conversation Hermes hands ``sync_turn``, every
+    message as Hermes holds it; on a session's first turn in this provider, earlier history
+    is not sent again (a restarted process would store it twice): it can be imported with
+    ``hermes-memory sessions import``.
 
     ``settings`` overrides what ``initialize`` would read from HERMES_HOME (for tests and
     embedding); without it, see ``hermes_async_memory.hermes.config``.
@@ -105,6 +111,11 @@ class HermesMemoryProvider(_ProviderBase):
         self._remaining_tokens: int | None = None
         # Sessions whose row was marked as holding estimated token counts (bounded).
         self._estimated: dict[str, None] = {}
+        # Per session, how much of Hermes's conversation list was handed to the store.
+        self._cursors = TurnCursors(MAX_LINEAGE)
+        self._turn_lock = threading.Lock()
+        self._refused = 0  # turns the store refused (refused_turns)
+        self._refused_lock = threading.Lock()
 
     # -- identity ----------------------------------------------------------------------
 
@@ -235,39 +246,104 @@ class HermesMemoryProvider(_ProviderBase):
                   messages: list[dict[str, Any]] | None = None) -> None:
         """Store a finished turn: durable when this returns, without waiting on the store.
 
-        ``messages`` (the whole conversation, as Hermes passes it) contributes this turn's
-        tool calls and results. Skipped for cron, subagent and flush agents.
+        ``messages`` is Hermes's whole conversation (its live list). What is stored is this
+        turn's span of it, every message exactly as Hermes holds it (copies, every key,
+        nothing rewritten): from where the session's last call ended (so a turn synced in
+        two calls, or an interrupted turn Hermes did not sync, is stored once, with the
+        next turn) to this turn's final reply (the last assistant message without tool calls
+        whose text matches ``assistant_content``, equal, stripped or one a prefix of the
+        other, else the last one without tool calls); a next turn already in the list is
+        left for its own call. On the first call for a session in this provider, or when
+        the list was rewritten (``/undo``, ``/retry``, a compression), the span starts at
+        this turn's start: back from its final reply to its user message and the user,
+        system and developer messages right before it. Earlier history is not re-sent then
+        (a restarted process would store it twice); ``hermes-memory sessions import`` brings
+        it in. ``user_content`` (Hermes's text, cleaned of skill scaffolding) is not stored
+        over the user message: Hermes's ``queue_prefetch`` call recalls with it, and the
+        prefetch cache shows the stored messages. Without ``messages``, the turn is the
+        two texts. Skipped for cron, subagent and flush agents.
+
+        A turn the store refuses (``InvalidTurnError``: a message JSON cannot hold as
+        given, the size limit) is not stored in part: the error propagates (Hermes logs
+        it), ``hermes_turn_refused`` is logged and ``refused_turns`` counts it, and the next
+        call starts after it. Any other error (a full disk, a full backlog) leaves the span
+        for the next call to store.
 
         Raises:
-            InvalidTurnError: the turn cannot be stored even without its tool messages.
+            InvalidTurnError: the store refused the turn; nothing of it was stored.
             PipelineClosedError: the provider is not initialized (or was shut down).
             StoreError: the outbox cannot grow (disk full).
+            QueueFullError: the backlog is full and its overflow policy is "reject".
         """
         if not self._writes:
             return
         session = session_id or self._session_id
         runtime = self._require_runtime()
-        rows = this_turn(messages, user_content, assistant_content) if messages else None
+        if not messages:
+            self._store_turn(runtime, session, user_content, assistant_content, None)
+            return
+        with self._turn_lock:  # one span at a time: the cursor moves only once it is stored
+            try:
+                span = self._cursors.span(session, messages, assistant_content)
+            except InvalidTurnError as exc:  # not a list
+                self._refusal(session, exc, None)
+                raise
+            if span.rewritten:
+                log.info("hermes_turn_list_rewritten", session_id=session,
+                         handed=len(messages), start=span.start)
+            if not span.rows:
+                log.info("hermes_turn_already_stored", session_id=session,
+                         handed=len(messages))
+                return
+            try:
+                self._store_turn(runtime, session, user_content, assistant_content, span)
+            except InvalidTurnError:
+                # Refused for good (logged and counted): the session's next turns go on
+                # after it rather than be refused with it.
+                self._cursors.advance(session, span)
+                raise
+            except BaseException:
+                self._cursors.hold(session, span)  # not stored: the next call includes it
+                raise
+            self._cursors.advance(session, span)
+
+    @property
+    def refused_turns(self) -> int:
+        """How many turns the store refused (``InvalidTurnError``) since this provider
+        was made; each one was also logged as ``hermes_turn_refused``."""
+        return self._refused
+
+    def _refusal(self, session: str, exc: InvalidTurnError, span: Span | None) -> None:
+        """Count and log a refused turn (the caller raises): Hermes logs what ``sync_turn``
+        raises and goes on, so the provider says it too, at error level."""
+        with self._refused_lock:
+            self._refused += 1
+            refused = self._refused
+        log.error("hermes_turn_refused", session_id=session, error=str(exc),
+                  messages=len(span.rows) if span is not None else None,
+                  span=(span.start, span.end) if span is not None else None,
+                  refused_turns=refused)
+
+    def _store_turn(self, runtime: Runtime, session: str, user_content: str,
+                    assistant_content: str, span: Span | None) -> None:
+        """Hand a turn (the span's messages, or without one the two texts) to the store."""
+        rows = span.rows if span is not None else None
         metadata = self._turn_metadata(session)
         tokens_in, tokens_out, estimated = token_counts(rows, user_content, assistant_content)
         metadata["input_tokens"], metadata["output_tokens"] = tokens_in, tokens_out
         if estimated:
             metadata["tokens_estimated"] = True
-            if session not in self._estimated:
-                self._estimated[session] = None
-                while len(self._estimated) > MAX_LINEAGE:
-                    self._estimated.pop(next(iter(self._estimated)))
-                self._describe(session, "sync_turn", tokens_estimated=True)
         try:
             runtime.sync_turn(user_content, assistant_content, session_id=session,
                               user_id=self._user_id, messages=rows, metadata=metadata)
         except InvalidTurnError as exc:
-            if rows is None:
-                raise
-            # Keep the turn's text rather than lose the turn over its tool messages.
-            log.warning("hermes_turn_messages_refused", session_id=session, error=str(exc))
-            runtime.sync_turn(user_content, assistant_content, session_id=session,
-                              user_id=self._user_id, messages=None, metadata=metadata)
+            self._refusal(session, exc, span)
+            raise
+        if estimated and session not in self._estimated:
+            self._estimated[session] = None
+            while len(self._estimated) > MAX_LINEAGE:
+                self._estimated.pop(next(iter(self._estimated)))
+            self._describe(session, "sync_turn", tokens_estimated=True)
 
     # -- tools -------------------------------------------------------------------------
 
@@ -341,9 +417,12 @@ class HermesMemoryProvider(_ProviderBase):
                           reset: bool = False, rewound: bool = False, **kwargs: Any) -> None:
         """Rebind to ``new_session_id``. A reset (``/new``) first commits the old session's
         turns; a compression or a branch records the old session as the new one's parent.
-        A rewind (``/undo``) changes nothing: stored turns are history."""
+        A rewind (``/undo``) keeps what is stored (stored turns are history); the session's
+        next turn is found from its own start in the shortened list."""
         reason = kwargs.get("reason")
         old = self._session_id
+        if rewound and new_session_id:
+            self._cursors.forget(new_session_id)
         if old and new_session_id and old != new_session_id and (reset or reason):
             # The old session ends here: a reset (/new) or a compression split.
             self._end(old, "new_session" if reset else str(reason)[:64])
