@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from ..blocking import run_blocking
 from ..errors import InvalidTurnError, PipelineClosedError, StoreError
 from ..turns import check_id, scope_token_for
-from .search import InvalidSearchError, content_expression, is_fts5_syntax_error, scoped_match
+from .search import (
+    InvalidSearchError,
+    content_expression,
+    is_fts5_syntax_error,
+    scoped_match,
+    text_query,
+)
 from .transfer import ExportLine, export_line
 
 if TYPE_CHECKING:
@@ -200,7 +206,9 @@ class SessionReads:
         (case and accents aside); operators and quotes in it are words or punctuation.
         ``syntax="fts5"``: FTS5 query syntax (phrases, ``word*``, AND, OR, NOT, NEAR, ``^``,
         parentheses), without column filters: see ``sessions.search``. Blank text (or
-        punctuation only, in plain text) finds nothing.
+        punctuation only, in plain text) finds nothing. A query holding CJK text is searched
+        as substrings (大别山 finds 大别山项目计划书): see ``sessions.search.text_query``
+        and ``SqliteStore.search_messages``.
 
         Whose messages: ``user_id``'s only, by default; or, without ``user_id``, the
         messages stored without a user in ``session_id``; or, with ``all_users=True``,
@@ -240,12 +248,14 @@ class SessionReads:
         if session is not None:
             tokens.append(scope_token_for(None, session))
         match = scoped_match(expression, tokens)
+        # CJK text: searched as substrings (the trigram index), which the word index is not.
+        text = text_query(query, syntax)
         try:
             rows = await self._store().search_messages(
                 match, sources=only_sources, exclude_sources=not_sources, roles=only_roles,
                 session_id=session, user_id=user,
                 no_user=user is None and not all_users, limit=limit, offset=offset,
-                snippet_tokens=SNIPPET_TOKENS, newest=order == "newest")
+                snippet_tokens=SNIPPET_TOKENS, newest=order == "newest", text=text)
         except sqlite3.OperationalError as exc:
             if is_fts5_syntax_error(exc):
                 raise InvalidSearchError(f"SQLite refused the query: {exc}") from exc

@@ -4,27 +4,40 @@ Two syntaxes, chosen by the caller:
 
 - ``"plain"`` (the default): the text is data. Its words are quoted one by one and ANDed,
   so a message matches when it holds every word; ``"``, ``*``, ``AND``, ``NEAR(``, ``-`` and
-  ``:`` are searched for as words, or dropped as punctuation.
+  ``:`` are searched for as words, or dropped as punctuation. Words joined by a hyphen, a
+  dot or an underscore (``full-text``, ``state-of-the-art``, ``P2.2``, ``sp_new``) are one
+  word: the phrase of their pieces, found and marked as one.
 - ``"fts5"``: FTS5's query syntax, minus column filters. The text is parsed here and written
   out again from its parse tree, every phrase quoted: phrases ``"..."``, prefixes ``word*``,
   ``AND``, ``OR``, ``NOT`` (binary, as in FTS5), ``NEAR(a b, N)``, ``^`` (first token),
   ``a + b`` (phrase concatenation) and parentheses. SQLite never sees the user's text
   outside a quoted phrase, so nothing in it can reach the ``scope`` column that keeps each
   user's rows apart: the expression always runs as ``scope:"<token>" AND content:(<expr>)``.
+  A bare word with a hyphen or a dot inside (``full-text``, ``P2.2``) is a phrase, as if
+  quoted (FTS5 itself refuses it).
 
 Both read the same way as the FTS5 parser: operators are upper case (``and`` is a word),
 ``NOT`` binds tighter than ``AND``, ``AND`` tighter than ``OR``, and words side by side are
 ANDed tighter than all three (``a b OR c`` is ``(a AND b) OR c``).
+
+A query holding CJK text (``store.text_index.CJK_RANGES``) is searched as substrings instead
+(``text_query``): the word index keeps a run of such text as one word, so 大别山 would not
+be found in 大别山项目计划书. Each word or phrase is a string the message must hold (case
+aside); the operators keep their meaning; ``NEAR(...)`` is the AND of its phrases and a
+prefix ``*`` adds nothing (a substring may go on).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from ..errors import InvalidTurnError
-from ..recall.query import MAX_QUERY_CHARS, query_terms, quote
+from ..recall.query import MAX_QUERY_CHARS, fold, quote
+from ..store.sessions import Substring, SubstringOp, TextQuery
+from ..store.text_index import has_cjk
 
 Syntax = Literal["plain", "fts5"]
 SYNTAXES: tuple[str, ...] = ("plain", "fts5")
@@ -36,6 +49,11 @@ FTS5_MAX_PHRASES = 64
 FTS5_MAX_DEPTH = 16  # parentheses (and NEAR groups) nested
 MAX_NEAR_DISTANCE = 10_000
 _OPERATORS = ("AND", "OR", "NOT")
+# A plain word: letters and digits, pieces joined by a hyphen (ASCII, U+2010, U+2011), a dot
+# or an underscore kept together (the word index splits them; quoted, they are a phrase).
+_PLAIN_WORD = re.compile(r"[^\W_]+(?:[-\u2010\u2011._][^\W_]+)*")
+# FTS5 syntax: what joins two word characters into one bare word.
+_WORD_JOINERS = "-."
 
 
 class InvalidSearchError(InvalidTurnError):
@@ -174,6 +192,9 @@ def _tokens(text: str) -> list[_Token]:
             start = i
             while i < n and _bareword_char(text[i]) and not text[i].isspace():
                 i += 1
+                if (i + 1 < n and text[i] in _WORD_JOINERS and _bareword_char(text[i + 1])
+                        and not text[i + 1].isspace()):
+                    i += 1  # full-text, P2.2: one word (FTS5 would refuse it bare)
             word = text[start:i]
             if i < n and text[i] == ":":
                 raise _column_filter(word, start)
@@ -443,13 +464,70 @@ def content_expression(query: str, syntax: str = "plain") -> str | None:
     if not isinstance(query, str):
         raise InvalidSearchError(f"query must be a string, got {type(query).__name__}")
     if syntax == "plain":
-        terms = query_terms(query, frozenset(), PLAIN_MAX_TERMS)
+        terms = plain_terms(query)
         return " AND ".join(quote(t) for t in terms) if terms else None
     if syntax == "fts5":
         node = parse_fts5(query)
         return None if node is None else render(node)
     raise InvalidSearchError(
         f"syntax must be one of {', '.join(map(repr, SYNTAXES))}, got {syntax!r:.40}")
+
+
+def plain_terms(query: str) -> list[str]:
+    """The distinct words of plain text (``_PLAIN_WORD``; case and accents aside), longest
+    first (the rarest-looking), at most ``PLAIN_MAX_TERMS``; as written."""
+    seen: dict[str, str] = {}
+    for word in _PLAIN_WORD.findall(query[:MAX_QUERY_CHARS]):
+        seen.setdefault(fold(word), word)
+    return sorted(seen.values(), key=len, reverse=True)[:PLAIN_MAX_TERMS]
+
+
+def text_query(query: str, syntax: str = "plain") -> TextQuery | None:
+    """What to search the message text for as substrings, when ``query`` holds CJK text
+    (see the module doc); None when it holds none (the word index serves it) or nothing to
+    search for. Call it after ``content_expression``, which checks the query.
+
+    Raises:
+        InvalidSearchError: as ``content_expression``.
+    """
+    if syntax == "plain":
+        terms = plain_terms(query)
+        if not any(has_cjk(t) for t in terms):
+            return None
+        node: TextQuery = Substring(terms[0])
+        for term in terms[1:]:
+            node = SubstringOp("AND", node, Substring(term))
+        return node
+    tree = parse_fts5(query) if syntax == "fts5" else None
+    if tree is None or not any(has_cjk(p.text) for p in _parts(tree)):
+        return None
+    return _substrings(tree)
+
+
+def _parts(node: Node) -> list[Part]:
+    if isinstance(node, Phrase):
+        return list(node.parts)
+    if isinstance(node, Near):
+        return [p for phrase in node.phrases for p in phrase.parts]
+    return _parts(node.left) + _parts(node.right)
+
+
+def _substrings(node: Node) -> TextQuery:
+    """``node`` as substrings: a phrase is its parts' text run together (a space between
+    two that are not CJK where they meet), NEAR the AND of its phrases."""
+    if isinstance(node, Phrase):
+        text = ""
+        for part in node.parts:
+            if text and part.text and not (has_cjk(text[-1]) or has_cjk(part.text[0])):
+                text += " "
+            text += part.text
+        return Substring(text, node.initial)
+    if isinstance(node, Near):
+        out: TextQuery = _substrings(node.phrases[0])
+        for phrase in node.phrases[1:]:
+            out = SubstringOp("AND", out, _substrings(phrase))
+        return out
+    return SubstringOp(node.op, _substrings(node.left), _substrings(node.right))
 
 
 def scoped_match(expression: str, scope_tokens: Sequence[str]) -> str:
@@ -466,4 +544,4 @@ def is_fts5_syntax_error(exc: BaseException) -> bool:
 
 
 __all__ = ["SYNTAXES", "InvalidSearchError", "Syntax", "content_expression", "parse_fts5",
-           "render", "scoped_match"]
+           "plain_terms", "render", "scoped_match", "text_query"]

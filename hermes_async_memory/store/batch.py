@@ -1,7 +1,8 @@
 """One group commit's turns (``Batch``), and the statements its transaction runs.
 
-The FTS5 index has external content and no insert trigger: the batch fills it once from the
-rows it just inserted, as it does the sessions' counters, the replica outbox and the done keys.
+The FTS5 indexes have external content and no insert trigger: the batch fills them once from
+the rows it just inserted, as it does the sessions' counters, the replica outbox and the done
+keys (the trigram index only with the messages of turns holding CJK text: ``text_index``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .lifecycle import session_statements
 from .memories import op_statements, ops_done, replica_statement
 from .sql import ID_HIGH, sql_literal
 from .templates import template_statements
+from .text_index import INDEX_SESSION_TRIGRAM, INDEX_TRIGRAM, INDEX_WORDS, payload_has_cjk
 from .tool_log import ToolLogConfig, log_statements
 
 # A big token count is written as an integer and read back by SQLite as a real, as the old
@@ -71,10 +73,7 @@ INSERT INTO messages (id, session_id, turn_key, ordinal, role, content, tool_cal
                       fields)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
-INDEX_BATCH = """
-INSERT INTO messages_fts (rowid, content, scope)
-SELECT id, content, scope FROM messages WHERE {mine};
-"""
+INDEX_BATCH = INDEX_WORDS
 # The batch's turns wait for the replica backend: one row per turn, with its message rows.
 INSERT_REPLICA = """
 INSERT INTO replica_outbox (backend, turn_key, session_id, first_id, n_messages)
@@ -113,6 +112,7 @@ class Batch:
         # of each turn]].
         self._runs: list[list[Any]] = []
         self._spans: list[tuple[int, int]] = []  # every turn's (first id, last id)
+        self._cjk_spans: list[tuple[int, int]] = []  # those of turns that may hold CJK text
         # Each session's share of the batch: [source, user_id, model, parent_session_id,
         # started_at, messages, tool calls, input tokens, output tokens]; text fields keep the
         # least (source, parent) or greatest (user, model) value seen, as SQL's min and max.
@@ -183,6 +183,8 @@ class Batch:
             assert first is not None  # given above
             span = (first, first + t.n_messages - 1)
             spans.append(span)
+            if payload_has_cjk(t.payload):
+                self._cjk_spans.append(span)
             if runs and runs[-1][0] == t.segment:
                 runs[-1][1].append(span)
             else:
@@ -250,7 +252,7 @@ class Batch:
                    replica_templates: bool = False, tool_log: ToolLogConfig | None = None
                    ) -> list[str]:
         """What the batch's transaction runs after inserting its messages: the replica
-        outbox rows, the FTS index, the sessions, the tool-call log (when ``tool_log`` and
+        outbox rows, the FTS indexes, the sessions, the tool-call log (when ``tool_log`` and
         some turn has tool calls), and the outbox keys marked 'done'; then
         the key-value records (with replica rows of their own when ``replica_kv``), the
         session lifecycle events (with replica rows of their own whenever there is a
@@ -260,6 +262,8 @@ class Batch:
         now_sql = repr(now)
         script = [INSERT_REPLICA.format(backend=sql_literal(replica), mine=mine)
                   ] if replica else []
+        if self._cjk_spans:
+            script.append(INDEX_TRIGRAM.format(mine=id_ranges(self._cjk_spans, "id")))
         if self._spans:
             script += [INDEX_BATCH.format(mine=mine),
                        ID_HIGH.format(high=max(last for _, last in self._spans)),
@@ -279,6 +283,9 @@ class Batch:
             if lifecycle:
                 script += session_statements(lifecycle, self.source, replica, tool_log,
                                              self._ids)
+                script += [INDEX_SESSION_TRIGRAM.format(session=sql_literal(sid)) for sid in
+                           sorted({t.session_id for t in lifecycle
+                                   if payload_has_cjk(t.payload)})]
             templates = [t for t in self.ops if t.kind == OP_TEMPLATE]
             if templates:
                 script += template_statements(templates)

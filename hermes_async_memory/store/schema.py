@@ -7,6 +7,7 @@ from pathlib import Path
 import aiosqlite
 
 from ..errors import StoreError
+from .text_index import ensure_trigram
 from .tool_log import TEMP_TABLES as TOOL_LOG_TEMP_TABLES
 from .tool_log import ToolLogConfig, range_log_statements
 
@@ -26,7 +27,10 @@ from .tool_log import ToolLogConfig, range_log_statements
 #    Hermes Agent 0.19's session table (title, cwd, git, chat, billing, cost, api calls, ...),
 #    and ``session_model_usage`` their usage per model and billing route (added columns and a
 #    new table).
-SCHEMA_VERSION = 8
+# 9: a trigram index beside the word index, for text the word index cannot split into words
+#    (CJK): messages_trgm, filled with the stored messages that hold such text (new table,
+#    made and filled by text_index.ensure_trigram).
+SCHEMA_VERSION = 9
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -392,6 +396,7 @@ async def migrate(db: aiosqlite.Connection, path: Path,
         await db.executescript("BEGIN IMMEDIATE;" + "".join(script) + "COMMIT;")
     await add_missing_columns(db)
     await db.commit()
+    await ensure_trigram(db)
     await db.executescript(LEASE_GUARD)
 
 

@@ -5,22 +5,39 @@ hit's neighbours, listings, one session, its messages, its parent chain.
 All of them run on the reader pool. The search and the chain are one statement each, so each
 sees one state of the store and costs one hop to the reader's thread however many hits or
 sessions it returns.
+
+A query holding CJK text (``TextQuery``) is searched as substrings: through the trigram index
+(``text_index``) when every message it can match is there, else with LIKE over the newest
+``LIKE_MAX_ROWS`` messages in scope (see ``search_messages``).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import sqlite3
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
+from ..turns import scope_token_for
 from .connections import Connections
 from .sql import fetch_dicts, where_equal
+from .text_index import has_cjk, is_missing_trigram
 
 # Marks around the matched words in a hit's snippet, and what stands for cut text.
 SNIPPET_OPEN = ">>>"
 SNIPPET_CLOSE = "<<<"
 SNIPPET_ELLIPSIS = "…"
 CONTEXT_CHARS = 200  # of each neighbouring message's text, shown beside a hit
+# A substring search's snippet: this many characters for each word a word snippet would show
+# (its text is cut by the library, not by FTS5: see _text_snippet).
+TEXT_SNIPPET_CHARS_PER_TOKEN = 3
+# The LIKE search (substrings too short for the trigram index, a query that can match text
+# without CJK, or a SQLite without the trigram tokenizer) reads at most this many messages in
+# scope, newest first, and stops at its page: a bound on a search that no index serves.
+LIKE_MAX_ROWS = 200_000
+TRIGRAM_MIN_CHARS = 3  # the trigram index finds no shorter substring
 # A parent chain is followed this many sessions up, and down this many levels and sessions:
 # a chain is a handful of sessions; the bounds only stop a cycle or a runaway tree.
 MAX_ANCESTORS = 100
@@ -74,7 +91,7 @@ _PAGE_JOIN_MESSAGES = "\n    JOIN messages AS m ON m.id = messages_fts.rowid"
 _PAGE_JOIN_SESSIONS = "\n    LEFT JOIN sessions AS s ON s.id = m.session_id"
 _NEIGHBOURS = """
 SELECT h.id, h.session_id, h.user_id, h.role, h.tool_name, h.timestamp, h.source, h.model,
-       h.snippet, h.score,
+       h.snippet, h.score{extra},
        p.role AS before_role, substr(coalesce(p.content, ''), 1, {chars}) AS before_content,
        n.role AS after_role, substr(coalesce(n.content, ''), 1, {chars}) AS after_content
 FROM hits AS h
@@ -84,6 +101,54 @@ LEFT JOIN messages AS n ON n.id = (
     SELECT min(id) FROM messages WHERE session_id = h.session_id AND id > h.id)
 ORDER BY {order}
 """
+# A word snippet that ends in a match, cut: the match's whole text, for one whose phrase ran
+# past the snippet's last word (a hyphenated word: FTS5 closes the mark where it cuts).
+_MARKED = """,
+       CASE WHEN substr(h.snippet, -{tail_chars}) = '{close}{ellipsis}' THEN (
+           SELECT highlight(messages_fts, 0, '{open}', '{close}') FROM messages_fts
+           WHERE messages_fts MATCH ? AND rowid = h.id) END AS marked"""
+
+# A substring search (``TextQuery``): the page of hits, then where each one's first match is
+# (``anchor``: the least position of a needle, ASCII case aside, as LIKE matches) and the
+# text around it, which the library marks and cuts (``_text_snippet``). {source}: the rows
+# and what picks them (the trigram index, or the messages in scope for LIKE).
+_TEXT_SEARCH = """
+WITH page AS MATERIALIZED (
+    SELECT m.id, m.session_id, m.user_id, m.role, m.tool_name, m.timestamp,
+           s.source, s.model, {score} AS score
+    FROM {source}
+    LEFT JOIN sessions AS s ON s.id = m.session_id
+    WHERE {where}{filters}
+    ORDER BY {page_order}
+    LIMIT ? OFFSET ?
+),
+anchored AS MATERIALIZED (
+    SELECT page.*, (SELECT min(nullif(instr(lower(m.content), j.value), 0))
+                    FROM json_each(?) AS j) AS anchor
+    FROM page JOIN messages AS m ON m.id = page.id
+),
+hits AS MATERIALIZED (
+    SELECT a.*, max(1, coalesce(a.anchor, 1) - {before}) AS snippet_from,
+           substr(m.content, max(1, coalesce(a.anchor, 1) - {before}), {span}) AS snippet,
+           length(m.content) AS content_chars
+    FROM anchored AS a JOIN messages AS m ON m.id = a.id
+){neighbours}"""
+_TRIGRAM_SOURCE = """messages_trgm
+    JOIN messages AS m ON m.id = messages_trgm.rowid"""
+# LIKE over a user's messages: their rows come from the word index's scope column, newest
+# first (FTS5 walks the posting list backwards); over a session's or everyone's, from the
+# messages themselves (idx_messages_session, or the table), newest first.
+_USER_SOURCE = """messages_fts
+    JOIN messages AS m ON m.id = messages_fts.rowid"""
+_USER_FLOOR = """messages_fts MATCH ? AND messages_fts.rowid >= coalesce((
+        SELECT f.rowid FROM messages_fts AS f WHERE f.messages_fts MATCH ?
+        ORDER BY f.rowid DESC LIMIT 1 OFFSET {skip}), 0)"""
+_SESSION_FLOOR = """m.id >= coalesce((
+        SELECT id FROM messages WHERE session_id = ? ORDER BY id DESC LIMIT 1 OFFSET {skip}),
+        0)"""
+_ALL_FLOOR = """m.id >= coalesce((
+        SELECT id FROM messages ORDER BY id DESC LIMIT 1 OFFSET {skip}), 0)"""
+
 # Up from a session: each row is an ancestor's id (nearest first) and its row, if stored.
 # ``path`` holds the ids passed, so a cycle ends the walk.
 _ANCESTORS = """
@@ -118,6 +183,28 @@ ORDER BY down.depth, s.started_at, s.id
 """
 
 
+@dataclass(frozen=True, slots=True)
+class Substring:
+    """Messages whose text holds ``text`` (ASCII letters in either case; the trigram index
+    also folds other letters), at its very start with ``initial``. Empty text: none."""
+
+    text: str
+    initial: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class SubstringOp:
+    """``left`` and ``right`` (AND), either (OR), or ``left`` without ``right`` (NOT)."""
+
+    op: str
+    left: TextQuery
+    right: TextQuery
+
+
+# What a substring search looks for: a tree of literal strings (no syntax of its own).
+TextQuery: TypeAlias = Substring | SubstringOp
+
+
 class SessionQueries(Connections):
     """The session store's reads (rows as dicts, JSON columns as stored unless said)."""
 
@@ -126,6 +213,7 @@ class SessionQueries(Connections):
         exclude_sources: Sequence[str] | None = None, roles: Sequence[str] | None = None,
         session_id: str | None = None, user_id: str | None = None, no_user: bool = False,
         limit: int = 20, offset: int = 0, snippet_tokens: int = 32, newest: bool = False,
+        text: TextQuery | None = None,
     ) -> list[dict[str, Any]]:
         """Messages matching ``match`` (an FTS5 expression the caller built, quoted and
         scoped), best first (bm25, then id), or with ``newest`` the latest stored first
@@ -133,11 +221,21 @@ class SessionQueries(Connections):
         what a common word over everyone's messages needs), with the session's source and
         model.
 
+        ``text``: search for these substrings instead of ``match``, for a query holding CJK
+        text, which the word index does not split into words. Through the trigram index
+        when every message that can match is in it (the query holds CJK text in every
+        alternative: the index holds every message with CJK text) and each string of an
+        AND'ed part has 3 characters or more, ranked by bm25 over that index; the parts
+        with shorter strings are checked with LIKE on its hits. Otherwise (only shorter
+        strings, an alternative without CJK, a SQLite without the trigram tokenizer) with
+        LIKE over the newest ``LIKE_MAX_ROWS`` messages in scope, newest first, score 0.
+        The snippet is cut by the library around the first match, every string marked.
+
         Each row: id, session_id, user_id, role, tool_name, timestamp, source, model,
-        snippet (matched words between ``SNIPPET_OPEN`` and ``SNIPPET_CLOSE``), score (bm25:
-        lower is better), and the message before and after it in its own session
-        (before_role, before_content, after_role, after_content; None at either end),
-        their text cut to ``CONTEXT_CHARS`` characters.
+        snippet (matched words between ``SNIPPET_OPEN`` and ``SNIPPET_CLOSE``; a phrase
+        marked once, whole), score (bm25: lower is better), and the message before and after
+        it in its own session (before_role, before_content, after_role, after_content; None
+        at either end), their text cut to ``CONTEXT_CHARS`` characters.
 
         ``sources``: only sessions from these (empty: none); ``exclude_sources``: none from
         these; ``roles``: only these roles; ``session_id``/``user_id``: only that session's
@@ -166,10 +264,19 @@ class SessionQueries(Connections):
             params.append(user_id)
         if no_user:
             filters.append("m.user_id IS NULL")
+        if text is not None:
+            return await self._search_text(
+                text, filters, params, session_id=session_id, user_id=user_id, limit=limit,
+                offset=offset, chars=TEXT_SNIPPET_CHARS_PER_TOKEN * snippet_tokens,
+                newest=newest)
         order = "h.id DESC" if newest else "h.score, h.id"
+        marked = _MARKED.format(open=SNIPPET_OPEN, close=SNIPPET_CLOSE,
+                                ellipsis=SNIPPET_ELLIPSIS,
+                                tail_chars=len(SNIPPET_CLOSE + SNIPPET_ELLIPSIS))
         marks = dict(open=SNIPPET_OPEN, close=SNIPPET_CLOSE, ellipsis=SNIPPET_ELLIPSIS,
                      filters="".join(f"\n      AND {f}" for f in filters),
-                     neighbours=_NEIGHBOURS.format(chars=CONTEXT_CHARS, order=order),
+                     neighbours=_NEIGHBOURS.format(chars=CONTEXT_CHARS, order=order,
+                                                   extra=marked),
                      hit_order="m.id DESC" if newest else "messages_fts.rank, m.id",
                      page_order=("messages_fts.rowid DESC" if newest
                                  else "messages_fts.rank, messages_fts.rowid"))
@@ -180,12 +287,63 @@ class SessionQueries(Connections):
                 if sources is not None or exclude_sources:
                     page_join += _PAGE_JOIN_SESSIONS
             sql = _SEARCH_ALL.format(page_join=page_join, **marks)
-            params = [match, *params, limit, offset, snippet_tokens, match]
+            params = [match, *params, limit, offset, snippet_tokens, match, match]
         else:
             sql = _SEARCH.format(**marks)
-            params = [snippet_tokens, match, *params, limit, offset]
+            params = [snippet_tokens, match, *params, limit, offset, match]
         async with self.reader() as db:
-            return await fetch_dicts(db, sql, params)
+            rows = await fetch_dicts(db, sql, params)
+        for r in rows:
+            marked = r.pop("marked")
+            if marked is not None:
+                r["snippet"] = _uncut(r["snippet"], marked)
+        return rows
+
+    async def _search_text(
+        self, text: TextQuery, filters: list[str], params: list[Any], *,
+        session_id: str | None, user_id: str | None, limit: int, offset: int, chars: int,
+        newest: bool,
+    ) -> list[dict[str, Any]]:
+        """``search_messages`` for substrings: the trigram index, else LIKE (see there)."""
+        # The AND'ed parts the trigram index answers (all of them or none when the query can
+        # match a message without CJK text, which the index lacks), and those checked by LIKE.
+        anchored = _anchored(text)
+        trigram: list[TextQuery] = []
+        checked: list[TextQuery] = []
+        for part in _and_parts(text):
+            (trigram if anchored and _trigram_fits(part) else checked).append(part)
+        needles = _needles(text)
+        longest = max((len(n) for n in needles), default=0)
+        shape = dict(filters="".join(f"\n      AND {f}" for f in filters),
+                     before=chars, span=2 * chars + longest)
+        tail = [json.dumps([_ascii_lower(n) for n in needles])]
+        async with self.reader() as db:
+            rows = None
+            if trigram:
+                like_params: list[Any] = []
+                likes = "".join(f"\n      AND {_like(p, like_params)}" for p in checked)
+                sql = _TEXT_SEARCH.format(
+                    source=_TRIGRAM_SOURCE, score="messages_trgm.rank",
+                    where="messages_trgm MATCH ?" + likes,
+                    page_order="m.id DESC" if newest else "messages_trgm.rank, m.id",
+                    neighbours=_NEIGHBOURS.format(chars=CONTEXT_CHARS, extra=_TEXT_EXTRA,
+                                                  order="h.id DESC" if newest
+                                                  else "h.score, h.id"), **shape)
+                match = " AND ".join(f"({_trigram(p)})" for p in trigram)
+                try:
+                    rows = await fetch_dicts(
+                        db, sql, [match, *like_params, *params, limit, offset, *tail])
+                except sqlite3.OperationalError as exc:
+                    if not is_missing_trigram(exc):
+                        raise
+            if rows is None:
+                rows = await fetch_dicts(db, *_like_search(
+                    text, shape, params, session_id=session_id, user_id=user_id,
+                    limit=limit, offset=offset, tail=tail))
+        pattern = _needle_pattern(needles)
+        for r in rows:
+            r["snippet"] = _text_snippet(r, pattern, chars)
+        return rows
 
     async def list_sessions(self, *, source: str | None = None, user_id: str | None = None,
                             limit: int = 50, offset: int = 0) -> list[dict[str, Any]]:
@@ -291,3 +449,185 @@ def decode_session(row: dict[str, Any]) -> dict[str, Any]:
 
 def _marks(values: Sequence[str]) -> str:
     return ",".join("?" * len(values))
+
+
+# -- substring searches ------------------------------------------------------------------
+
+_TEXT_EXTRA = ", h.anchor, h.snippet_from, h.content_chars"
+_ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
+
+
+def _ascii_lower(text: str) -> str:
+    """As SQLite's lower() without ICU (and LIKE): ASCII letters only."""
+    return text.translate(_ASCII_LOWER)
+
+
+def _and_parts(node: TextQuery) -> list[TextQuery]:
+    """The operands of the AND chain ``node`` heads (``node`` itself when it is no AND)."""
+    return _chain(node) if isinstance(node, SubstringOp) and node.op == "AND" else [node]
+
+
+def _like_search(text: TextQuery, shape: dict[str, Any], params: list[Any], *,
+                 session_id: str | None, user_id: str | None, limit: int, offset: int,
+                 tail: list[Any]) -> tuple[str, list[Any]]:
+    """The LIKE form of a substring search: (SQL, parameters)."""
+    like_params: list[Any] = []
+    condition = _like(text, like_params)
+    skip = LIKE_MAX_ROWS - 1
+    head: list[Any]
+    if session_id is not None or user_id is None:
+        source, order = "messages AS m", "m.id DESC"
+        if session_id is not None:
+            where, head = _SESSION_FLOOR.format(skip=skip), [session_id]
+        else:
+            where, head = _ALL_FLOOR.format(skip=skip), []
+    else:
+        scope = f'scope:"{scope_token_for(user_id, None)}"'
+        source, order = _USER_SOURCE, "messages_fts.rowid DESC"
+        where, head = _USER_FLOOR.format(skip=skip), [scope, scope]
+    sql = _TEXT_SEARCH.format(
+        source=source, score="0.0", where=f"{where}\n      AND {condition}",
+        page_order=order, neighbours=_NEIGHBOURS.format(
+            chars=CONTEXT_CHARS, extra=_TEXT_EXTRA, order="h.id DESC"), **shape)
+    return sql, [*head, *like_params, *params, limit, offset, *tail]
+
+
+def _leaves(node: TextQuery) -> list[Substring]:
+    out: list[Substring] = []
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, SubstringOp):
+            stack += [x.right, x.left]
+        else:
+            out.append(x)
+    return out
+
+
+def _anchored(node: TextQuery) -> bool:
+    """Whether every message matching ``node`` holds CJK text (so is in the trigram index)."""
+    if isinstance(node, Substring):
+        return has_cjk(node.text)
+    if node.op == "AND":
+        return _anchored(node.left) or _anchored(node.right)
+    if node.op == "OR":
+        return _anchored(node.left) and _anchored(node.right)
+    return _anchored(node.left)  # NOT: what it keeps is the left side's
+
+
+def _trigram_fits(node: TextQuery) -> bool:
+    """Whether the trigram index can answer ``node``: each of its strings is long enough."""
+    return all(len(leaf.text) >= TRIGRAM_MIN_CHARS for leaf in _leaves(node))
+
+
+def _needles(node: TextQuery) -> list[str]:
+    """The strings a hit may show, longest first: all but those after a NOT."""
+    out: dict[str, None] = {}
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Substring):
+            if x.text:
+                out.setdefault(x.text, None)
+        elif x.op == "NOT":
+            stack.append(x.left)
+        else:
+            stack += [x.right, x.left]
+    return sorted(out, key=len, reverse=True)
+
+
+def _chain(node: SubstringOp) -> list[TextQuery]:
+    """The operands of the run of ``node.op`` that ``node`` heads, left to right (NOT is
+    left-associative: only its left side continues the run)."""
+    if node.op == "NOT":
+        rights: list[TextQuery] = []
+        x: TextQuery = node
+        while isinstance(x, SubstringOp) and x.op == "NOT":
+            rights.append(x.right)
+            x = x.left
+        return [x, *reversed(rights)]
+    out: list[TextQuery] = []
+    stack: list[TextQuery] = [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, SubstringOp) and x.op == node.op:
+            stack += [x.right, x.left]
+        else:
+            out.append(x)
+    return out
+
+
+def _trigram(node: TextQuery) -> str:
+    """``node`` as an FTS5 query of the trigram index: every string quoted (a substring),
+    each run of one operator flat (FTS5's parser has a bounded stack)."""
+    if isinstance(node, Substring):
+        return ("^" if node.initial else "") + '"' + node.text.replace('"', '""') + '"'
+    return f" {node.op} ".join(
+        _trigram(x) if isinstance(x, Substring) else f"({_trigram(x)})" for x in _chain(node))
+
+
+def _like(node: TextQuery, params: list[Any]) -> str:
+    """``node`` as an SQL condition on ``m.content`` (LIKE), its patterns added to
+    ``params``."""
+    if isinstance(node, Substring):
+        if not node.text:
+            return "0"
+        escaped = (node.text.replace("\\", "\\\\").replace("%", "\\%")
+                   .replace("_", "\\_"))
+        params.append(("" if node.initial else "%") + escaped + "%")
+        return "m.content LIKE ? ESCAPE '\\'"
+    parts = [_like(x, params) for x in _chain(node)]
+    if node.op == "NOT":
+        return "(" + " AND NOT ".join(parts) + ")"
+    return "(" + f" {node.op} ".join(parts) + ")"
+
+
+def _needle_pattern(needles: Sequence[str]) -> re.Pattern[str] | None:
+    if not needles:
+        return None
+    return re.compile("|".join(re.escape(n) for n in needles), re.IGNORECASE)
+
+
+def _text_snippet(row: dict[str, Any], pattern: re.Pattern[str] | None, chars: int) -> str:
+    """A substring hit's snippet: about ``chars`` characters of its text around its first
+    match, every match in it between the marks, never one cut; ``SNIPPET_ELLIPSIS`` where
+    text was left out. Takes the row's window columns out of ``row``."""
+    window: str = row.pop("snippet") or ""
+    start = int(row.pop("snippet_from") or 1) - 1  # where the window starts in the text
+    total = int(row.pop("content_chars") or 0)
+    anchor = row.pop("anchor")
+    spans = [] if pattern is None else [(m.start(), m.end()) for m in pattern.finditer(window)]
+    focus = 0 if anchor is None else int(anchor) - 1 - start
+    first = next(((a, b) for a, b in spans if a >= focus), spans[0] if spans else (0, 0))
+    lo = max(0, first[0] - chars // 4)
+    hi = min(len(window), max(lo + chars, first[1]))
+    lo = max(0, min(lo, hi - chars))  # near the end: more of what comes before
+    for a, b in spans:  # a match is shown whole or not at all
+        if a < lo < b:
+            lo = a
+        if a < hi < b:
+            hi = b
+    out = [SNIPPET_ELLIPSIS] if start + lo > 0 else []
+    at = lo
+    for a, b in spans:
+        if a >= lo and b <= hi:
+            out += [window[at:a], SNIPPET_OPEN, window[a:b], SNIPPET_CLOSE]
+            at = b
+    out.append(window[at:hi])
+    if start + hi < total:
+        out.append(SNIPPET_ELLIPSIS)
+    return "".join(out)
+
+
+def _uncut(snippet: str, marked: str) -> str:
+    """``snippet`` (a word snippet ending in a mark and an ellipsis) with its last match
+    whole, from ``marked`` (the whole text, matches marked): FTS5 closes a match's mark where
+    the snippet ends, inside a phrase."""
+    lead = SNIPPET_ELLIPSIS if snippet.startswith(SNIPPET_ELLIPSIS) else ""
+    body = snippet[len(lead):-len(SNIPPET_CLOSE + SNIPPET_ELLIPSIS)]
+    at = marked.find(body)
+    end = -1 if at < 0 else marked.find(SNIPPET_CLOSE, at + len(body))
+    if not body or end < 0:
+        return snippet
+    end += len(SNIPPET_CLOSE)
+    return lead + marked[at:end] + (SNIPPET_ELLIPSIS if end < len(marked) else "")

@@ -1,0 +1,191 @@
+"""The messages' full-text indexes and how they are filled: the word index ``messages_fts``
+(``schema.SCHEMA``) and, beside it, the trigram index ``messages_trgm`` for text the word
+index cannot split into words.
+
+The word index's tokenizer (unicode61) splits text at spaces and punctuation. Chinese and
+Japanese put no spaces between words, and Korean attaches particles to them, so a run of
+such text is ONE token there ("大别山项目计划书" is a single word): a search for 大别山 finds
+nothing. The trigram index holds every three characters of a text as a token, so any
+substring of three or more characters is found, and ranked with bm25.
+
+Which messages it holds: those whose text has a CJK character (``CJK_RANGES``). A search
+goes to it only when its query holds CJK text, so a message without any could never be
+found through it: indexing every message would more than double the store (49.9 MB of
+trigram index beside 10.5 MB of word index for 16.4 MB of English text) and cost ~24 µs a
+message at commit, half the pipeline's throughput.
+
+It has external content (``messages``): the index is all it stores (a contentless table
+would be as small, but SQLite before 3.43 cannot delete from one). As the word index, it has
+no insert trigger: a commit fills it once from the rows it just inserted (``INDEX_TRIGRAM``,
+``INDEX_MESSAGES``), for the turns whose record holds CJK text (``payload_has_cjk``), and
+after a session operation whose record holds such text (an import, a replacement), with the
+session's messages it lacks (``INDEX_SESSION_TRIGRAM``). A deleted message leaves it through
+``messages_trgm_delete``, which removes only what the index holds (the row's entry in
+``messages_trgm_docsize``, which FTS5 keeps for each indexed row): a message inserted by a
+path that did not fill the index is not found through it, and its delete cannot take from
+the index what was never there (for an external-content table that would corrupt it).
+``INSERT INTO messages_trgm (messages_trgm, rank) VALUES ('integrity-check', 1)`` compares
+the index with every message, so it reports the messages without CJK text as missing: the
+check without content (rank 0, the default) is the one that applies.
+
+A SQLite without the trigram tokenizer (``no such tokenizer: trigram``) opens the store all
+the same (``ensure_trigram``): the table is not made, fills go to temporary tables on the
+writer connection that keep nothing, and the search falls back to LIKE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sqlite3
+
+import aiosqlite
+
+# What the trigram index serves: the scripts written without spaces between words, or with
+# particles attached (Hangul). Code points, inclusive: Hangul Jamo; CJK radicals, symbols
+# and punctuation, kana, Bopomofo, Hangul compatibility Jamo, enclosed and compatibility
+# characters, Extension A and the unified ideographs; Hangul Jamo Extended-A; Hangul
+# syllables and Jamo Extended-B; compatibility ideographs; vertical forms; half- and
+# full-width forms; the kana supplement; the supplementary and tertiary ideographic planes.
+# A superset of Hermes Agent 0.19's (``SessionDB._is_cjk_codepoint``).
+CJK_RANGES: tuple[tuple[int, int], ...] = (
+    (0x1100, 0x11FF), (0x2E80, 0x9FFF), (0xA960, 0xA97F), (0xAC00, 0xD7FF),
+    (0xF900, 0xFAFF), (0xFE30, 0xFE4F), (0xFF00, 0xFFEF), (0x1B000, 0x1B16F),
+    (0x20000, 0x3FFFF),
+)
+_CLASS = "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in CJK_RANGES)
+CJK = re.compile(f"[{_CLASS}]")
+# The same set as an SQL GLOB (its character classes take code point ranges).
+CJK_GLOB = f"'*[{_CLASS}]*'"
+# The set as it shows in a turn's record, which is ASCII JSON (``turns.encode_payload``),
+# lower-cased: \\uXXXX escapes, a character past U+FFFF as a surrogate pair (its high half
+# is matched: D82C for the kana supplement, D840-D8BF for the ideographic planes). May say
+# yes for a record without (an escaped backslash before "u4e00", say): the fill's GLOB
+# decides which messages go in.
+_ESCAPED = re.compile(
+    r"\\u(?:11[0-9a-f]{2}|2e[89a-f][0-9a-f]|2f[0-9a-f]{2}|[3-9][0-9a-f]{3}|a9[67][0-9a-f]"
+    r"|a[c-f][0-9a-f]{2}|[bc][0-9a-f]{3}|d[0-7][0-9a-f]{2}|f[9a][0-9a-f]{2}|fe[34][0-9a-f]"
+    r"|ff[0-9a-e][0-9a-f]|d82c|d8[4-9ab][0-9a-f])")
+
+
+def has_cjk(text: str) -> bool:
+    """Whether ``text`` holds a character of ``CJK_RANGES``."""
+    return not text.isascii() and CJK.search(text) is not None
+
+
+def payload_has_cjk(payload: str) -> bool:
+    """Whether a turn's record (ASCII JSON, or text of an earlier version) may hold CJK text:
+    never no when it does. ~30 ns for a record without escapes, ~1 µs for one with (Latin
+    text with typographic quotes or dashes)."""
+    if payload.isascii():
+        return "\\" in payload and _ESCAPED.search(payload.lower()) is not None
+    return CJK.search(payload) is not None
+
+
+TRIGRAM_TABLE = """
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_trgm USING fts5(
+    content, content='messages', content_rowid='id', tokenize='trigram'
+);
+"""
+TRIGRAM_DELETE = """
+CREATE TRIGGER IF NOT EXISTS messages_trgm_delete AFTER DELETE ON messages
+WHEN EXISTS (SELECT 1 FROM messages_trgm_docsize WHERE id = old.id) BEGIN
+    INSERT INTO messages_trgm (messages_trgm, rowid, content)
+    VALUES ('delete', old.id, old.content);
+END;
+"""
+# Without the trigram tokenizer: what the fills insert goes nowhere (the temporary tables
+# shadow the names on the writer connection, and the trigger drops each row).
+TRIGRAM_SINK = """
+CREATE TEMP TABLE IF NOT EXISTS messages_trgm (content TEXT);
+CREATE TEMP TABLE IF NOT EXISTS messages_trgm_docsize (id INTEGER PRIMARY KEY, sz BLOB);
+CREATE TEMP TRIGGER IF NOT EXISTS messages_trgm_sink BEFORE INSERT ON messages_trgm BEGIN
+    SELECT RAISE(IGNORE);
+END;
+"""
+
+# The fills, for the messages that hold ``{mine}`` (an SQL condition on ``id``): run in the
+# transaction that inserted them, once (a row indexed twice corrupts an external-content
+# index). The word index takes every message, the trigram index those with CJK text.
+INDEX_WORDS = """
+INSERT INTO messages_fts (rowid, content, scope)
+SELECT id, content, scope FROM messages WHERE {mine};
+"""
+INDEX_TRIGRAM = """
+INSERT INTO messages_trgm (rowid, content)
+SELECT id, content FROM messages WHERE ({mine}) AND content GLOB """ + CJK_GLOB + """;
+"""
+# Both, for a statement that inserts messages outside a batch's turns (an import, a
+# replacement of a session's messages): ``INDEX_MESSAGES.format(mine=...)``.
+INDEX_MESSAGES = INDEX_WORDS + INDEX_TRIGRAM
+# After a batch's session operations whose records hold CJK text: the session's messages
+# with CJK text that the trigram index lacks (an operation's statements that inserted them
+# did not fill it). Idempotent: what the index holds is left out (its docsize row).
+INDEX_SESSION_TRIGRAM = """
+INSERT INTO messages_trgm (rowid, content)
+SELECT id, content FROM messages AS m WHERE session_id = {session} AND content GLOB """ + \
+    CJK_GLOB + """
+AND NOT EXISTS (SELECT 1 FROM messages_trgm_docsize AS d WHERE d.id = m.id);
+"""
+
+
+async def ensure_trigram(db: aiosqlite.Connection) -> bool:
+    """Make the trigram index if the file has none, and fill it from the stored messages
+    (a store from before version 9). True when the index is there and kept; False when
+    this SQLite has no trigram tokenizer: fills then go nowhere on ``db`` (``TRIGRAM_SINK``)
+    and the search uses LIKE.
+
+    The index is kept exactly while its delete trigger exists: it is made, filled and given
+    its trigger in one transaction, so a run cut short leaves none of it. A file last opened
+    by a SQLite without the tokenizer has lost the trigger there (its deletes must go on):
+    its index is emptied and filled again.
+
+    Raises:
+        sqlite3.Error: the file cannot be read or written.
+    """
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        stale = await _exists(db, "table", "messages_trgm")
+        if stale and await _exists(db, "trigger", "messages_trgm_delete"):
+            # Kept: only whether this SQLite can read it (connecting checks the tokenizer).
+            await db.execute("SELECT 1 FROM messages_trgm WHERE rowid = 0")
+        else:
+            await db.execute("DROP TRIGGER IF EXISTS messages_trgm_delete")
+            await db.execute(TRIGRAM_TABLE)
+            if stale:
+                await db.execute("INSERT INTO messages_trgm (messages_trgm) VALUES ('delete-all')")
+            await db.execute(INDEX_TRIGRAM.format(mine="true"))
+            await db.execute(TRIGRAM_DELETE)
+        await db.execute("COMMIT")
+        return True
+    except sqlite3.OperationalError as exc:
+        await _rollback(db)
+        if "no such tokenizer" not in str(exc).lower():
+            raise
+    except BaseException:
+        await _rollback(db)
+        raise
+    # Deletes must not reach an index this SQLite cannot open: the next open by one that
+    # can makes it again (above).
+    await db.execute("DROP TRIGGER IF EXISTS messages_trgm_delete")
+    await db.executescript(TRIGRAM_SINK)
+    return False
+
+
+def is_missing_trigram(exc: BaseException) -> bool:
+    """Whether SQLite refused the trigram index because it lacks the tokenizer (or, on a
+    reader, because the index was never made for that reason)."""
+    text = str(exc).lower()
+    return "no such tokenizer" in text or "no such table: messages_trgm" in text
+
+
+async def _exists(db: aiosqlite.Connection, kind: str, name: str) -> bool:
+    async with db.execute("SELECT 1 FROM sqlite_master WHERE type = ? AND name = ?",
+                          (kind, name)) as cur:
+        return await cur.fetchone() is not None
+
+
+async def _rollback(db: aiosqlite.Connection) -> None:
+    """Undo the open transaction, if one is (the error being raised is the one to see)."""
+    with contextlib.suppress(sqlite3.Error, ValueError):
+        await db.execute("ROLLBACK")
