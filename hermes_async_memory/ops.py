@@ -21,7 +21,8 @@ batch and the reads that lay pending writes over the store's answer.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from json.encoder import encode_basestring_ascii as _esc
 from typing import Any, NamedTuple
 
@@ -33,7 +34,8 @@ OP_KV = "kv"
 OP_SESSION = "session"
 OP_TEMPLATE = "template"
 OP_KINDS = frozenset({OP_KV, OP_SESSION, OP_TEMPLATE})
-SESSION_ACTIONS = frozenset({"describe", "end", "delete", "import"})
+SESSION_ACTIONS = frozenset({"describe", "end", "delete", "import", "update", "usage",
+                             "reopen", "replace"})
 TEMPLATE_ACTIONS = frozenset({"put", "delete", "use", "outcome"})
 # How a template's put meets a template already stored under its name: "save" replaces its
 # content and keeps its usage and outcome counts; "keep" leaves it as it is (an import);
@@ -42,14 +44,64 @@ TEMPLATE_ACTIONS = frozenset({"put", "delete", "use", "outcome"})
 PUT_MODES = frozenset({"save", "keep", "auto"})
 # An imported message: id, turn key, ordinal, role, content, tool calls (JSON text), tool call
 # id, tool name, timestamp, user id, metadata (JSON text), token count, fields (JSON text: the
-# keys no column holds, ``turns.message_row``); as exported. An earlier version's record has
-# no fields (12).
-IMPORTED_MESSAGE_FIELDS = 13
+# keys no column holds, ``turns.message_row``), active (1, or 0: set aside by the host); as
+# exported. An earlier version's record has no active flag (13: active), nor fields (12).
+IMPORTED_MESSAGE_FIELDS = 14
+# An imported session's row (the record's ``row``): every column of the sessions table but its
+# id, as exported, with the type its value has (an int is taken for a float) and whether it
+# may be null. A column a row leaves out (an earlier version's line) takes the table's
+# default. ``model_config`` holds a JSON object's text, as ``describe`` stores it.
+IMPORTED_ROW_COLUMNS: dict[str, tuple[type, bool]] = {
+    "source": (str, False), "user_id": (str, True), "model": (str, True),
+    "parent_session_id": (str, True), "started_at": (float, False),
+    "updated_at": (float, False), "ended_at": (float, True), "end_reason": (str, True),
+    "message_count": (int, False), "tool_call_count": (int, False),
+    "input_tokens": (int, False), "output_tokens": (int, False), "model_config": (str, True),
+    "system_prompt": (str, True), "tokens_estimated": (int, False),
+    # Hermes Agent 0.19's (``store.schema.SESSION_COLUMNS``).
+    "session_key": (str, True), "chat_id": (str, True), "chat_type": (str, True),
+    "thread_id": (str, True), "display_name": (str, True), "origin_json": (str, True),
+    "expiry_finalized": (int, True), "cache_read_tokens": (int, False),
+    "cache_write_tokens": (int, False), "reasoning_tokens": (int, False), "cwd": (str, True),
+    "git_branch": (str, True), "git_repo_root": (str, True), "billing_provider": (str, True),
+    "billing_base_url": (str, True), "billing_mode": (str, True),
+    "estimated_cost_usd": (float, True), "actual_cost_usd": (float, True),
+    "cost_status": (str, True), "cost_source": (str, True), "pricing_version": (str, True),
+    "title": (str, True), "api_call_count": (int, False), "handoff_state": (str, True),
+    "handoff_platform": (str, True), "handoff_error": (str, True),
+    "compression_failure_cooldown_until": (float, True),
+    "compression_failure_error": (str, True), "compression_fallback_streak": (int, False),
+    "profile_name": (str, True), "rewind_count": (int, False), "archived": (int, False),
+}
 # What a ``describe`` may set on a session, and the type each holds.
 SESSION_FIELDS: dict[str, type] = {
     "source": str, "model": str, "model_config": dict, "system_prompt": str,
     "parent_session_id": str, "tokens_estimated": bool,
 }
+# What an ``update`` may set or fill on a session, and the type each holds: ours, and Hermes
+# Agent 0.19's session columns (its hermes_state.SCHEMA_SQL). A float also takes an int.
+UPDATE_FIELDS: dict[str, type] = {
+    **SESSION_FIELDS,
+    **dict.fromkeys((
+        "title", "cwd", "git_branch", "git_repo_root", "session_key", "chat_id", "chat_type",
+        "thread_id", "display_name", "origin_json", "billing_provider", "billing_base_url",
+        "billing_mode", "cost_status", "cost_source", "pricing_version", "handoff_state",
+        "handoff_platform", "handoff_error", "compression_failure_error", "profile_name"),
+        str),
+    **dict.fromkeys(("estimated_cost_usd", "actual_cost_usd",
+                     "compression_failure_cooldown_until"), float),
+    **dict.fromkeys((
+        "expiry_finalized", "api_call_count", "compression_fallback_streak", "rewind_count",
+        "archived", "input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
+        "reasoning_tokens"), int),
+}
+# A ``usage`` record: one model call's accounting (Hermes's update_token_counts), or the
+# session's totals (``absolute``). Counts are integers, costs floats, the route text.
+USAGE_COUNTS = ("input_tokens", "output_tokens", "cache_read_tokens", "cache_write_tokens",
+                "reasoning_tokens", "api_call_count")
+USAGE_COSTS = ("estimated_cost_usd", "actual_cost_usd")
+USAGE_TEXTS = ("model", "billing_provider", "billing_base_url", "billing_mode", "cost_status",
+               "cost_source", "pricing_version", "task")
 # A replica row's copy of a describe, end or import record also holds the session's row as
 # that event left it, under this key (``store.lifecycle.SNAPSHOT``): what a backend mirrors.
 SNAPSHOT_FIELD = "snap"
@@ -90,7 +142,13 @@ class SessionOp(NamedTuple):
     messages: list[list[Any]] | None = None  # import: a part of its messages, in id order
     started_at: float | None = None  # import: the exported session's start (its identity)
     snapshot: dict[str, Any] | None = None  # a replica row's copy: the row after the event
-    first_id: int | None = None  # import: the first id its record took (see ``message_ids``)
+    first_id: int | None = None  # import, replace: the first id its record took (message_ids)
+    fill: dict[str, Any] | None = None  # update: fields set only where the row has none
+    create: bool = False  # update: make the row when the session has none
+    first_wins: bool = False  # end: only a session not ended yet
+    started_before: float | None = None  # delete: only if it ended and started before this
+    usage: dict[str, Any] | None = None  # usage: the call's counts, costs and route
+    active_only: bool = False  # replace: only the messages the host has not set aside
 
 
 class TemplateOp(NamedTuple):
@@ -141,7 +199,8 @@ def encode_session_op(record_key: str, session_id: str, user_id: str | None,
                       reason: str | None = None, ended_before: float | None = None,
                       source: str | None = None, row: Mapping[str, Any] | None = None,
                       messages: list[list[Any]] | None = None,
-                      started_at: float | None = None) -> str:
+                      started_at: float | None = None, first_wins: bool = False,
+                      started_before: float | None = None) -> str:
     """A lifecycle event's record (compact ASCII JSON, ' as \\u0027). Checked by the caller."""
     doc: dict[str, Any] = {"x": OP_SESSION, "k": record_key, "s": session_id, "u": user_id,
                            "t": accepted_at, "o": action}
@@ -149,8 +208,12 @@ def encode_session_op(record_key: str, session_id: str, user_id: str | None,
         doc["f"] = dict(fields)
     if reason is not None:
         doc["r"] = reason
+    if first_wins:
+        doc["fw"] = True
     if ended_before is not None:
         doc["b"] = ended_before
+    if started_before is not None:
+        doc["sb"] = started_before
     if source is not None:
         doc["src"] = source
     if action == "import":
@@ -158,6 +221,36 @@ def encode_session_op(record_key: str, session_id: str, user_id: str | None,
                     "st": started_at})
     payload = _ENCODER.encode(doc)
     if action == "import" and messages:  # its messages' ids, given as it is appended
+        payload = payload[:-1] + ',"i":' + "null".rjust(ID_DIGITS) + "}"
+    return payload.replace("'", "\\u0027") if "'" in payload else payload
+
+
+def encode_session_change(record_key: str, session_id: str, user_id: str | None,
+                          accepted_at: float, action: str, *,
+                          fields: Mapping[str, Any] | None = None,
+                          fill: Mapping[str, Any] | None = None, create: bool = False,
+                          usage: Mapping[str, Any] | None = None,
+                          messages: Sequence[Sequence[Any]] | None = None,
+                          active_only: bool = False) -> str:
+    """An update, usage, reopen or replace record (compact ASCII JSON, ' as \\u0027), read
+    back by ``parse_session``. Checked by the caller; a replace's ``messages`` are
+    ``turns.MessageRow`` rows, and its record has an id slot for their ids."""
+    doc: dict[str, Any] = {"x": OP_SESSION, "k": record_key, "s": session_id, "u": user_id,
+                           "t": accepted_at, "o": action}
+    if fields:
+        doc["f"] = dict(fields)
+    if fill:
+        doc["fi"] = dict(fill)
+    if create:
+        doc["cr"] = True
+    if usage is not None:
+        doc["us"] = dict(usage)
+    if action == "replace":
+        doc["m"] = [list(m) for m in messages or ()]
+        if active_only:
+            doc["ao"] = True
+    payload = _ENCODER.encode(doc)
+    if action == "replace" and messages:  # its messages' ids, given as it is appended
         payload = payload[:-1] + ',"i":' + "null".rjust(ID_DIGITS) + "}"
     return payload.replace("'", "\\u0027") if "'" in payload else payload
 
@@ -241,6 +334,8 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
         raise TypeError("the event's time is not a number")
     if action not in SESSION_ACTIONS:
         raise ValueError(f"unknown session action {action!r:.20}")
+    if action in ("update", "usage", "reopen", "replace"):
+        return _parse_change(doc, payload, record_key, session_id, user_id, float(at), action)
     fields = doc.get("f") or {}
     if type(fields) is not dict:
         raise TypeError("the event's fields are not an object")
@@ -270,12 +365,13 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
         # Everything the import's statements need is checked here, where a record is read:
         # a part that failed in its batch would fail the batch's other records with it.
         if type(messages) is not list or not all(
-                type(m) is list and len(m) in (IMPORTED_MESSAGE_FIELDS - 1,
-                                               IMPORTED_MESSAGE_FIELDS)
-                and type(m[0]) is int and type(m[1]) is str and type(m[3]) is str
-                and isinstance(m[8], (int, float)) and not isinstance(m[8], bool)
-                and (len(m) == IMPORTED_MESSAGE_FIELDS - 1 or m[12] is None
-                     or type(m[12]) is str)
+                type(m) is list and IMPORTED_MESSAGE_FIELDS - 2 <= len(m)
+                <= IMPORTED_MESSAGE_FIELDS
+                and type(m[0]) is int and 0 < m[0] < 2**63 and type(m[1]) is str
+                and type(m[3]) is str
+                and (type(m[8]) is int or (type(m[8]) is float and math.isfinite(m[8])))
+                and (len(m) < 13 or m[12] is None or type(m[12]) is str)
+                and (len(m) < 14 or m[13] in (0, 1))
                 for m in messages):
             raise TypeError("the imported messages are mistyped")
         if len({m[0] for m in messages}) != len(messages):
@@ -290,9 +386,74 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
     first_id = doc.get("i")
     if first_id is not None and type(first_id) is not int:
         raise TypeError("the import's first message id is not an integer")
+    first_wins, started_before = doc.get("fw", False), doc.get("sb")
+    if type(first_wins) is not bool:
+        raise TypeError("the end's first-wins flag is not a boolean")
+    if started_before is not None and not _number(started_before):
+        raise TypeError("the start cut-off is not a number")
     return SessionOp(record_key, session_id, user_id, float(at), action, fields, reason,
                      None if before is None else float(before), source, row, messages,
-                     started, snapshot, first_id)
+                     started, snapshot, first_id, first_wins=first_wins,
+                     started_before=None if started_before is None else float(started_before))
+
+
+def _parse_change(doc: Mapping[str, Any], payload: str, record_key: str, session_id: str,
+                  user_id: str | None, at: float, action: str) -> SessionOp:
+    """An update, usage, reopen or replace record (``parse_session``'s other half)."""
+    fields, fill = _update_fields(doc.get("f")), _update_fields(doc.get("fi"))
+    create = doc.get("cr", False)
+    if type(create) is not bool:
+        raise TypeError("the update's create flag is not a boolean")
+    usage = doc.get("us")
+    if action == "usage":
+        if type(usage) is not dict or type(usage.get("absolute", False)) is not bool:
+            raise TypeError("the usage record's values are not an object")
+        for name, value in usage.items():
+            if name in USAGE_COUNTS:
+                ok = type(value) is int and value >= 0
+            elif name in USAGE_COSTS:
+                ok = value is None or _number(value)
+            elif name in USAGE_TEXTS:
+                ok = value is None or type(value) is str
+            else:
+                ok = name == "absolute"
+            if not ok:
+                raise TypeError(f"the usage value {name!r:.40} is mistyped")
+    messages, active_only = doc.get("m"), doc.get("ao", False)
+    if action == "replace":
+        if type(messages) is not list or not all(
+                type(m) is list and len(m) == 8 and type(m[0]) is str for m in messages):
+            raise TypeError("the replacing messages are mistyped")
+        if type(active_only) is not bool:
+            raise TypeError("the replace's active-only flag is not a boolean")
+    first_id = doc.get("i")
+    if first_id is not None and type(first_id) is not int:
+        raise TypeError("the record's first message id is not an integer")
+    if "\\u0000" in payload and _holds_nul(fields, fill, usage,
+                                             [m[:7] for m in messages or ()]):
+        raise ValueError("the event holds U+0000 in a text column")
+    return SessionOp(record_key, session_id, user_id, at, action, fields, None, None, None,
+                     None, messages if action == "replace" else None, None,
+                     doc.get(SNAPSHOT_FIELD), first_id, fill=fill, create=create,
+                     usage=usage if action == "usage" else None, active_only=active_only)
+
+
+def _update_fields(value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if type(value) is not dict:
+        raise TypeError("the update's fields are not an object")
+    for name, v in value.items():
+        want = UPDATE_FIELDS.get(name)
+        if want is None:
+            raise ValueError(f"unknown session field {name!r:.40}")
+        if v is not None and type(v) is not want and not (want is float and type(v) is int):
+            raise TypeError(f"the session field {name} is mistyped")
+    return value
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _holds_nul(*values: Any) -> bool:

@@ -365,6 +365,12 @@ class MemoryPipeline:
 
     # -- barriers and reads --------------------------------------------------------------
 
+    def pending(self) -> bool:
+        """Whether anything accepted here is not yet settled (committed, or dead-lettered).
+        Any thread; no I/O."""
+        parts = self._parts
+        return parts is not None and self.barrier.settled < parts.outbox.accepted()
+
     async def flush(self, session_id: str | None = None,
                     timeout: float | None = None) -> None:  # noqa: ASYNC109
         """Return once everything accepted before this call (with ``session_id``: that

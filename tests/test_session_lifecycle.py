@@ -220,9 +220,32 @@ async def filled_sessions(mem: MemoryPipeline) -> None:
     await mem.flush()
 
 
+# Hermes Agent's session columns (schema 8), each set to a value other than its default.
+HERMES_FIELDS = {
+    "session_key": "agent:main:telegram:dm:42", "chat_id": "42", "chat_type": "dm",
+    "thread_id": "t-7", "display_name": "Ann", "origin_json": '{"platform": "telegram"}',
+    "expiry_finalized": 1, "cache_read_tokens": 120, "cache_write_tokens": 30,
+    "reasoning_tokens": 15, "cwd": "/home/ann/project", "git_branch": "feature/ünïcode",
+    "git_repo_root": "/home/ann/project", "billing_provider": "openrouter",
+    "billing_base_url": "https://openrouter.ai/api/v1", "billing_mode": "metered",
+    "estimated_cost_usd": 0.0123, "actual_cost_usd": 0.0125, "cost_status": "final",
+    "cost_source": "provider", "pricing_version": "2026-11", "title": "Trams of Lisbon",
+    "api_call_count": 3, "handoff_state": "idle", "handoff_platform": "cli",
+    "handoff_error": "none", "compression_failure_cooldown_until": 1_800_000_000.5,
+    "compression_failure_error": "too long", "compression_fallback_streak": 2,
+    "profile_name": "work", "rewind_count": 1, "archived": 1,
+}
+
+
 async def test_export_delete_import_gives_back_the_same_bytes(mem: MemoryPipeline) -> None:
     await filled_sessions(mem)
+    # What Hermes Agent's session store keeps beside ours comes back too.
+    with sqlite3.connect(mem.settings.db_path) as conn:
+        conn.execute(f"UPDATE sessions SET {', '.join(f'{k} = ?' for k in HERMES_FIELDS)} "
+                     "WHERE id = 'a2'", list(HERMES_FIELDS.values()))
     before = await exported(mem)
+    a2 = json.loads(before[1])
+    assert {k: a2[k] for k in HERMES_FIELDS} == HERMES_FIELDS
     assert [json.loads(line)["id"] for line in before] == ["a1", "a2", "b1"]
     tokens = [m["token_count"] for m in await mem.sessions.messages("a2")]
     assert tokens == TOOL_TURN_TOKENS
@@ -235,6 +258,8 @@ async def test_export_delete_import_gives_back_the_same_bytes(mem: MemoryPipelin
     result = await import_sessions(mem, before)
     assert result == ImportResult(imported=3, skipped=0, messages=12)
     assert await exported(mem) == before  # byte for byte: ids, rows, messages
+    row = session_row(mem.settings.db_path, "a2")
+    assert row is not None and {k: row[k] for k in HERMES_FIELDS} == HERMES_FIELDS
     assert [m["token_count"] for m in await mem.sessions.messages("a2")] == TOOL_TURN_TOKENS
     # Imported messages are searchable again, in their user's scope only.
     assert "question 1 about trams" in await mem.search("trams", user_id="ann")

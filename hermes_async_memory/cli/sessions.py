@@ -114,8 +114,10 @@ def register(commands: Any) -> None:
     imports = sessions.add_parser(
         "import", parents=[db, as_json], help="import exported sessions",
         description="Import the JSON lines of an export: each session as it was, ids kept. "
-                    "A session already in the store is skipped, so a second import of a "
-                    "file changes nothing.",
+                    "Every line is checked before any is accepted: a bad line refuses the "
+                    "whole file. A session already in the store is skipped, so a second "
+                    "import of a file changes nothing (and completes one cut short). Once "
+                    "committed, the store is read back: what it lacks is an error.",
     )
     imports.add_argument("input", metavar="FILE", help="the export to read (- for stdin)")
     imports.set_defaults(handler=guarded(_sessions_import))
@@ -302,7 +304,7 @@ def _sessions_export(args: argparse.Namespace) -> int:
 
 
 def _sessions_import(args: argparse.Namespace) -> int:
-    from ..sessions.transfer import import_sessions
+    from ..sessions.transfer import InvalidImportError, import_sessions
 
     path = None if args.input == "-" else Path(args.input)
     if path is not None and not path.is_file():
@@ -311,11 +313,17 @@ def _sessions_import(args: argparse.Namespace) -> int:
     show_progress = path is not None and sys.stderr.isatty()
 
     async def run() -> dict[str, Any]:
-        stream = path.open(encoding="utf-8") if path is not None else sys.stdin
+        stream = path.open("rb") if path is not None else sys.stdin.buffer
         try:
             with _progress(total, show_progress, "importing sessions") as advance:
                 def lines() -> Iterator[str]:
-                    for line in stream:
+                    for number, raw in enumerate(stream, 1):
+                        try:  # line by line, so that a bad byte is named by its line
+                            line = raw.decode("utf-8")
+                        except UnicodeDecodeError as exc:
+                            raise InvalidImportError(
+                                f"line {number}: not UTF-8 text ({exc.reason})",
+                                number) from None
                         yield line
                         advance()
 
@@ -330,8 +338,11 @@ def _sessions_import(args: argparse.Namespace) -> int:
     if args.json:
         print_json(done)
     else:
+        detached = done["detached"]
         print(f"imported {done['imported']} sessions ({done['messages']} messages); "
-              f"{done['skipped']} already there, skipped")
+              f"{done['skipped']} already there, skipped"
+              + (f"; {len(detached)} imported without their parent (itself, not stored nor "
+                 f"in the file, or a cycle): {', '.join(detached)}" if detached else ""))
     return EXIT_OK
 
 

@@ -123,8 +123,10 @@ async def apply_session(conn: Conn, op: SessionOp, source: str) -> None:
                 PRUNABLE, op.session_id, op.ended_before, op.source):
             for statement in DELETE_SESSION:
                 await conn.execute(statement, op.session_id)
-    else:
+    elif op.action == "import":
         await _import(conn, op, source)
+    # update, usage, reopen (the session store's Hermes fields and accounting) and replace
+    # are not mirrored here yet: the shared schema has no columns for them (see README).
 
 
 

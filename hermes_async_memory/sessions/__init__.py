@@ -21,9 +21,17 @@ from .reads import (
     open_session_reads,
 )
 from .search import SYNTAXES, InvalidSearchError
-from .transfer import ExportLine, ImportResult, InvalidImportError
+from .transfer import (
+    ExportLine,
+    ImportIncompleteError,
+    ImportLimitError,
+    ImportLimits,
+    ImportResult,
+    InvalidImportError,
+)
 
 __all__ = ["SYNTAXES", "BlockingSessionReads", "ContextMessage", "ExportLine",
-           "FileSessionReads", "ImportResult", "InvalidImportError", "InvalidSearchError",
-           "InvalidSessionError", "PruneResult", "SearchHit", "SessionChain", "SessionCounts",
-           "SessionInfo", "SessionReads", "SessionStore", "SessionWrites", "open_session_reads"]
+           "FileSessionReads", "ImportIncompleteError", "ImportLimitError", "ImportLimits",
+           "ImportResult", "InvalidImportError", "InvalidSearchError", "InvalidSessionError",
+           "PruneResult", "SearchHit", "SessionChain", "SessionCounts", "SessionInfo",
+           "SessionReads", "SessionStore", "SessionWrites", "open_session_reads"]

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterable, Iterable
 
 from .lifecycle import SessionWrites
 from .reads import SessionReads
-from .transfer import IMPORT_TIMEOUT_S, ImportResult, import_sessions
+from .transfer import IMPORT_TIMEOUT_S, ImportLimits, ImportResult, import_sessions
 
 
 class SessionStore(SessionReads, SessionWrites):
@@ -17,6 +17,8 @@ class SessionStore(SessionReads, SessionWrites):
     ``*_nowait`` writes are safe from any thread and durable when they return."""
 
     async def import_lines(self, lines: Iterable[str] | AsyncIterable[str], *,
-                           timeout_s: float = IMPORT_TIMEOUT_S) -> ImportResult:
-        """Import export lines; returns once committed (``transfer.import_sessions``)."""
-        return await import_sessions(self._p, lines, timeout_s=timeout_s)
+                           timeout_s: float = IMPORT_TIMEOUT_S,
+                           limits: ImportLimits | None = None) -> ImportResult:
+        """Import export lines; returns once committed and found in the store
+        (``transfer.import_sessions``: every line is checked before any is accepted)."""
+        return await import_sessions(self._p, lines, timeout_s=timeout_s, limits=limits)

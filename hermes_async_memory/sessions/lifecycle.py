@@ -12,19 +12,29 @@ or that another process has a turn of waiting in the shared inbox, stays.
 from __future__ import annotations
 
 import json
+import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidTurnError
-from ..ops import encode_session_op
-from ..turns import Receipt, check_id, check_nesting
+from ..ops import UPDATE_FIELDS, encode_session_change, encode_session_op
+from ..turns import (
+    MAX_TOKENS,
+    Receipt,
+    check_id,
+    check_metadata,
+    check_nesting,
+    encode_rows,
+    message_row,
+)
 
 if TYPE_CHECKING:
     from ..pipeline import MemoryPipeline
 
 MAX_REASON_CHARS = 200
+MAX_TOTAL = 2**53  # a session total or counter set outright (absolute usage, a field)
 MAX_NAME_CHARS = 512
 DAY_S = 86_400.0
 PRUNE_TIMEOUT_S = 60.0  # prune waits this long for its deletes to commit
@@ -96,10 +106,12 @@ class SessionWrites:
             raise InvalidSessionError("describe needs at least one field to set")
         return self._accept(sid, _user(user_id), "describe", fields=fields)
 
-    def end_nowait(self, session_id: str, reason: str, *, user_id: str | None = None
-                   ) -> Receipt:
+    def end_nowait(self, session_id: str, reason: str, *, user_id: str | None = None,
+                   first_wins: bool = False) -> Receipt:
         """Mark the session ended now, with why (``"user_exit"``, ``"compression"``, ...).
-        Ending it again replaces the time and reason.
+        Ending it again replaces the time and reason; with ``first_wins`` (Hermes's rule),
+        only a stored session not ended yet is ended, and a later end changes nothing
+        (``reopen_nowait`` first to end it again).
 
         Raises:
             InvalidSessionError, QueueFullError, DiskFullError, PipelineClosedError.
@@ -109,7 +121,138 @@ class SessionWrites:
             raise InvalidSessionError("reason must be a non-empty string")
         if len(reason) > MAX_REASON_CHARS:
             raise InvalidSessionError(f"reason is longer than {MAX_REASON_CHARS} characters")
-        return self._accept(sid, _user(user_id), "end", reason=_text("reason", reason))
+        return self._accept(sid, _user(user_id), "end", reason=_text("reason", reason),
+                            first_wins=bool(first_wins))
+
+    def reopen_nowait(self, session_id: str, *, user_id: str | None = None) -> Receipt:
+        """Clear the session's end, so it may be resumed (and ended again).
+
+        Raises:
+            InvalidSessionError, QueueFullError, DiskFullError, PipelineClosedError.
+        """
+        return self._change(_session(session_id), _user(user_id), "reopen")
+
+    def update_nowait(self, session_id: str, *, user_id: str | None = None,
+                      fields: Mapping[str, Any] | None = None,
+                      fill: Mapping[str, Any] | None = None, create: bool = False) -> Receipt:
+        """Set ``fields`` on the session's row (a value of None clears it) and ``fill`` the
+        ones it has none of; any of our columns and Hermes Agent 0.19's (``ops.UPDATE_FIELDS``:
+        title, cwd, git_branch, git_repo_root, chat_id, billing_*, costs, counters, ...).
+        With ``create``, a session with no row gets one (started now, with ``fields`` and
+        ``fill``, ``source`` among them or the pipeline's); without, an unknown session is
+        left alone.
+
+        Raises:
+            InvalidSessionError: an unknown field, a mistyped value, text holding NUL or a
+                lone surrogate, a parent equal to the session; nothing was stored.
+            QueueFullError, DiskFullError, PipelineClosedError.
+        """
+        sid = _session(session_id)
+        sets = _fields("fields", fields or {}, sid)
+        fills = _fields("fill", fill or {}, sid)
+        if not sets and not fills and not create:
+            raise InvalidSessionError("update needs a field to set or fill")
+        return self._change(sid, _user(user_id), "update", fields=sets, fill=fills,
+                            create=bool(create))
+
+    def record_usage_nowait(
+        self, session_id: str, *, user_id: str | None = None, input_tokens: int = 0,
+        output_tokens: int = 0, cache_read_tokens: int = 0, cache_write_tokens: int = 0,
+        reasoning_tokens: int = 0, api_call_count: int = 0,
+        estimated_cost_usd: float | None = None, actual_cost_usd: float | None = None,
+        model: str | None = None, billing_provider: str | None = None,
+        billing_base_url: str | None = None, billing_mode: str | None = None,
+        cost_status: str | None = None, cost_source: str | None = None,
+        pricing_version: str | None = None, absolute: bool = False, task: str = "",
+    ) -> Receipt:
+        """Account a model call's usage to the session (Hermes Agent's
+        ``update_token_counts``): counts and costs are added, or with ``absolute`` set as the
+        session's totals; the model and billing route fill what the row lacks, and the first
+        call that accounts usage on a route other than the requested one replaces it; each
+        call's share is kept per model and route (``session_model_usage``; not for
+        ``absolute`` totals, which cannot be split). ``task`` names an auxiliary call
+        (vision, compression, ...): only its own per-model row. A session with no row gets
+        one (source ``unknown``).
+
+        Raises:
+            InvalidSessionError: a count that is not an integer >= 0, a cost that is not a
+                finite number, text holding NUL or a lone surrogate; nothing was stored.
+            QueueFullError, DiskFullError, PipelineClosedError.
+        """
+        sid = _session(session_id)
+        usage: dict[str, Any] = {"absolute": bool(absolute)}
+        for name, count in (("input_tokens", input_tokens), ("output_tokens", output_tokens),
+                            ("cache_read_tokens", cache_read_tokens),
+                            ("cache_write_tokens", cache_write_tokens),
+                            ("reasoning_tokens", reasoning_tokens),
+                            ("api_call_count", api_call_count)):
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= (
+                    MAX_TOTAL if absolute else MAX_TOKENS):
+                raise InvalidSessionError(f"{name} must be an integer >= 0, got {count!r:.20}")
+            if count:
+                usage[name] = count
+        for name, cost in (("estimated_cost_usd", estimated_cost_usd),
+                           ("actual_cost_usd", actual_cost_usd)):
+            if cost is not None:
+                if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not (
+                        math.isfinite(cost)):
+                    raise InvalidSessionError(f"{name} must be a finite number")
+                usage[name] = float(cost)
+        for name, text in (("model", model), ("billing_provider", billing_provider),
+                           ("billing_base_url", billing_base_url),
+                           ("billing_mode", billing_mode), ("cost_status", cost_status),
+                           ("cost_source", cost_source), ("pricing_version", pricing_version),
+                           ("task", task)):
+            if text is not None:
+                if not isinstance(text, str):
+                    raise InvalidSessionError(f"{name} must be a string")
+                usage[name] = _text(name, text)
+        return self._change(sid, _user(user_id), "usage", usage=usage)
+
+    def replace_messages_nowait(self, session_id: str, messages: Sequence[Mapping[str, Any]],
+                                *, user_id: str | None = None, active_only: bool = False
+                                ) -> Receipt:
+        """Replace the session's stored messages with ``messages`` (each stored as given, as
+        ``sync_turn`` stores them), in one commit; with ``active_only``, only those the host
+        has not set aside (``active``) give way. The receipt's ``first_id`` is the first new
+        message's id. Its count columns then count its active messages.
+
+        Raises:
+            InvalidTurnError: a message cannot be stored as given (says which, and why).
+            InvalidSessionError, QueueFullError, DiskFullError, PipelineClosedError.
+        """
+        sid = _session(session_id)
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+            raise InvalidSessionError("messages must be a list of message dicts")
+        rows = [message_row(i, m) for i, m in enumerate(messages)]
+        return self._change(sid, _user(user_id), "replace", messages=rows,
+                            active_only=bool(active_only))
+
+    def append_nowait(self, session_id: str, messages: Sequence[Mapping[str, Any]], *,
+                      user_id: str | None = None, metadata: Mapping[str, Any] | None = None
+                      ) -> Receipt:
+        """Append ``messages`` to the session, each stored as given (any role: system, user,
+        assistant, tool; an explicit ``timestamp`` kept), after everything accepted for it
+        before: ``sync_turn`` without the turn's texts. The receipt's ``first_id`` is the
+        first message's id; the others follow.
+
+        Raises:
+            InvalidTurnError: a message cannot be stored as given (says which, and why), or
+                there is none.
+            QueueFullError, DiskFullError, PipelineClosedError.
+        """
+        sid = _session(session_id)
+        user = _user(user_id)
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+            raise InvalidSessionError("messages must be a list of message dicts")
+        md = check_metadata(metadata)
+        notes: list[int] = []
+        rows = [message_row(i, m, notes) for i, m in enumerate(messages)]
+        key, at = self._p.new_key(), time.time()
+        data, n = encode_rows(key, sid, user, at, rows, md, self._p.settings.max_turn_bytes)
+        receipt = self._p.accept_record(key, sid, at, data, n)
+        self._p.sanitized += bool(notes)
+        return receipt
 
     def delete_nowait(self, session_id: str, *, user_id: str | None = None) -> Receipt:
         """Delete the session with its messages, their index rows, its logged tool calls,
@@ -139,10 +282,12 @@ class SessionWrites:
         return self.delete_nowait(session_id, user_id=user_id)
 
     async def prune(self, older_than_days: float, *, source: str | None = None,
-                    timeout_s: float = PRUNE_TIMEOUT_S) -> PruneResult:
+                    timeout_s: float = PRUNE_TIMEOUT_S, by: str = "ended") -> PruneResult:
         """Delete the sessions that ended more than ``older_than_days`` ago and have had
         nothing stored since (of ``source`` only, when given). Never an open session, nor
         one with a turn pending here or in the shared inbox. Waits for the deletes to commit.
+        ``by="started"`` is Hermes Agent's rule: the ended sessions that started more than
+        ``older_than_days`` ago. A deleted session's children stay, without a parent.
 
         Raises:
             InvalidSessionError: ``older_than_days`` is not a number >= 0.
@@ -156,14 +301,29 @@ class SessionWrites:
                 f"older_than_days must be a number >= 0, got {older_than_days!r:.20}")
         if source is not None:
             source = _name("source", source)
+        if by not in ("ended", "started"):
+            raise InvalidSessionError(f"by must be 'ended' or 'started', got {by!r:.20}")
         cutoff = time.time() - float(older_than_days) * DAY_S
-        candidates = await self._p.store.prunable_sessions(cutoff, source)
-        receipts = [self._accept(sid, user, "delete", ended_before=cutoff, source=source)
+        started = by == "started"
+        candidates = await self._p.store.prunable_sessions(cutoff, source, started=started)
+        cut = {"started_before": cutoff} if started else {"ended_before": cutoff}
+        receipts = [self._accept(sid, user, "delete", source=source, **cut)
                     for sid, user in candidates]
         await self._p.committed(receipts, timeout_s)
         ids = tuple(sid for sid, _ in candidates)
         remaining = await self._p.store.existing_sessions(ids)
         return PruneResult(cutoff, ids, tuple(s for s in ids if s not in remaining))
+
+    def _change(self, session_id: str, user_id: str | None, action: str, *,
+                messages: Sequence[Sequence[Any]] | None = None, **kw: Any) -> Receipt:
+        key, at = self._p.new_key(), time.time()
+        data = encode_session_change(key, session_id, user_id, at, action,
+                                     messages=messages, **kw).encode("ascii")
+        limit = self._p.settings.max_turn_bytes
+        if len(data) > limit:
+            raise InvalidSessionError(f"the change is {len(data)} bytes encoded; the limit "
+                                      f"(max_turn_bytes) is {limit}")
+        return self._p.accept_record(key, session_id, at, data, len(messages or ()))
 
     def _accept(self, session_id: str, user_id: str | None, action: str, **kw: Any
                 ) -> Receipt:
@@ -211,6 +371,45 @@ def _text(name: str, value: str) -> str:
     except UnicodeEncodeError:
         raise InvalidSessionError(f"{name} holds a lone surrogate") from None
     return value
+
+
+def _fields(what: str, values: Mapping[str, Any], session_id: str) -> dict[str, Any]:
+    """``values`` checked against ``ops.UPDATE_FIELDS`` (text checked as ``_text`` does,
+    model_config as ``_config``)."""
+    if not isinstance(values, Mapping):
+        raise InvalidSessionError(f"{what} must be a mapping of session fields")
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        want = UPDATE_FIELDS.get(name) if isinstance(name, str) else None
+        if want is None:
+            raise InvalidSessionError(f"{what}: {name!r:.40} is not a session field")
+        if value is None:
+            out[name] = None
+        elif name == "model_config":
+            out[name] = _config(value)
+        elif name == "parent_session_id":
+            parent = _id(name, value)
+            if parent == session_id:
+                raise InvalidSessionError("parent_session_id must differ from session_id")
+            out[name] = parent
+        elif want is str:
+            if not isinstance(value, str):
+                raise InvalidSessionError(f"{name} must be a string, got {type(value).__name__}")
+            out[name] = _text(name, value)
+        elif want is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value)):
+                raise InvalidSessionError(f"{name} must be a finite number")
+            out[name] = float(value)
+        elif want is bool:
+            if not isinstance(value, bool):
+                raise InvalidSessionError(f"{name} must be a bool")
+            out[name] = value
+        else:
+            if isinstance(value, bool) or not isinstance(value, int) or abs(value) > MAX_TOTAL:
+                raise InvalidSessionError(f"{name} must be an integer, got {value!r:.20}")
+            out[name] = value
+    return out
 
 
 def _config(value: object) -> dict[str, Any]:

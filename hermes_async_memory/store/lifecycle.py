@@ -32,9 +32,16 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from ..message_ids import MessageIds
-from ..ops import IMPORTED_MESSAGE_FIELDS, SNAPSHOT_FIELD, SessionOp, parse_session
+from ..ops import (
+    IMPORTED_MESSAGE_FIELDS,
+    IMPORTED_ROW_COLUMNS,
+    SNAPSHOT_FIELD,
+    SessionOp,
+    parse_session,
+)
 from ..turns import Turn, scope_tokens
 from .connections import Connections
+from .session_changes import change_statement
 from .sql import (
     ID_HIGH,
     KEY_CHUNK,
@@ -45,6 +52,8 @@ from .sql import (
     where_equal,
 )
 from .tool_log import ToolLogConfig, session_log_statements
+
+CHANGES = frozenset({"update", "usage", "reopen", "replace"})
 
 _JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
@@ -71,6 +80,12 @@ ON CONFLICT (id) DO UPDATE SET
     ended_at = excluded.ended_at, end_reason = excluded.end_reason,
     updated_at = max(sessions.updated_at, excluded.updated_at);
 """
+# Hermes's end: a session that is stored and not ended yet; the first end wins.
+END_FIRST = """
+UPDATE sessions SET ended_at = {at}, end_reason = {reason},
+    updated_at = max(updated_at, {at})
+WHERE id = {id} AND ended_at IS NULL;
+"""
 # Prune's condition on the session, checked by each statement of its delete (the sessions row
 # goes last). The event's own inbox row, if it came through the inbox, is not a pending turn.
 PRUNE_CONDITION = """
@@ -78,7 +93,17 @@ EXISTS (SELECT 1 FROM sessions AS p WHERE p.id = {id} AND p.ended_at IS NOT NULL
         AND p.ended_at < {before} AND p.updated_at < {before} {source_clause})
 AND NOT EXISTS (SELECT 1 FROM inbox WHERE inbox.session_id = {id} AND inbox.key != {key})
 """
+# Hermes's prune: the session ended, and started before the cut-off.
+PRUNE_STARTED = """
+EXISTS (SELECT 1 FROM sessions AS p WHERE p.id = {id} AND p.ended_at IS NOT NULL
+        AND p.started_at < {before} {source_clause})
+AND NOT EXISTS (SELECT 1 FROM inbox WHERE inbox.session_id = {id} AND inbox.key != {key})
+"""
+# A deleted session's children keep their rows, no longer pointing at it.
 DELETE = """
+UPDATE sessions SET parent_session_id = NULL
+WHERE parent_session_id = {id} AND id != {id} AND {condition};
+DELETE FROM session_model_usage WHERE session_id = {id} AND {condition};
 DELETE FROM messages WHERE session_id = {id} AND {condition};
 DELETE FROM recall_requests WHERE session_id = {id} AND {condition};
 DELETE FROM recall_results WHERE session_id = {id} AND {condition};
@@ -126,19 +151,17 @@ IMPORTED_ROW = "EXISTS (SELECT 1 FROM sessions WHERE id = {id} AND started_at = 
 # keep their exported ids when every one is free and below every id this process may still
 # give out (``MessageIds.floor``, checked as the statement is made); otherwise they take the
 # ids their record took as it was accepted, in order.
+# The row takes every column the exported row holds (``ops.IMPORTED_ROW_COLUMNS``: ours and
+# Hermes's), and the table's default for one it leaves out (an earlier version's line); a
+# column that cannot be null takes 0 for a null (the import refuses one before it is accepted).
 IMPORT_ROW = """
-INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
-                      ended_at, end_reason, message_count, tool_call_count, input_tokens,
-                      output_tokens, model_config, system_prompt, tokens_estimated)
-SELECT {id}, coalesce(r ->> 'source', {default_source}), r ->> 'user_id', r ->> 'model',
-       r ->> 'parent_session_id', r ->> 'started_at', coalesce(r ->> 'updated_at', {at}),
-       r ->> 'ended_at', r ->> 'end_reason', coalesce(r ->> 'message_count', 0),
-       coalesce(r ->> 'tool_call_count', 0), coalesce(r ->> 'input_tokens', 0),
-       coalesce(r ->> 'output_tokens', 0), r ->> 'model_config', r ->> 'system_prompt',
-       coalesce(r ->> 'tokens_estimated', 0)
+INSERT INTO sessions (id, source, started_at, updated_at{columns})
+SELECT {id}, coalesce(r ->> 'source', {default_source}), coalesce(r ->> 'started_at', {started}),
+       coalesce(r ->> 'updated_at', {at}){values}
 FROM (SELECT json({row}) AS r) WHERE true
 ON CONFLICT (id) DO NOTHING;
 """
+_ROW_ALWAYS = ("source", "started_at", "updated_at")
 IMPORT_NEW = """
 EXISTS (SELECT 1 FROM sessions WHERE id = {id} AND started_at = {started})
 AND NOT EXISTS (SELECT 1 FROM messages WHERE session_id = {id} AND turn_key = {first_turn})
@@ -152,13 +175,13 @@ INSERT INTO temp.import_fresh (n) SELECT {kept} AND {free} WHERE ({new});
 _KEPT = "(SELECT n FROM temp.import_fresh)"
 _IMPORT_COLUMNS = """{id}, e.value ->> 1, e.value ->> 2, e.value ->> 3, e.value ->> 4,
        e.value ->> 5, e.value ->> 6, e.value ->> 7, e.value ->> 8, e.value ->> 9, {scope},
-       e.value ->> 10, e.value ->> 11, e.value ->> 12
+       e.value ->> 10, e.value ->> 11, e.value ->> 12, coalesce(e.value ->> 13, 1)
 FROM json_each({rows}) AS e"""
 _IMPORT_ID = f"iif({_KEPT}, e.value ->> 0, {{first}} + e.key)"
 IMPORT_MESSAGES = IMPORT_CHOICE + """
 INSERT INTO messages (id, session_id, turn_key, ordinal, role, content, tool_calls,
                       tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count,
-                      fields)
+                      fields, active)
 SELECT """ + _IMPORT_ID + ", " + _IMPORT_COLUMNS + """
 WHERE EXISTS (SELECT 1 FROM temp.import_fresh) ORDER BY e.key;
 INSERT INTO messages_fts (rowid, content, scope)
@@ -184,7 +207,9 @@ def session_statements(ops: Sequence[Turn], default_source: str,
     for t in ops:
         op = parse_session(json.loads(t.payload), t.payload)
         waits = "" if replica is None else _replica_row(op, t.payload, replica)
-        if op.action == "import":
+        if op.action in CHANGES:
+            script += [change_statement(op, default_source, ids), waits]
+        elif op.action == "import":
             # Between the row and the messages: whether the messages go in is known there.
             script += [_import_row(op, default_source), waits, _import_messages(op, ids)]
             if tool_log is not None and op.messages and any(m[5] for m in op.messages):
@@ -207,14 +232,21 @@ def _statement(op: SessionOp, default_source: str) -> str:
             system_prompt=_text(f.get("system_prompt")),
             estimated=int(bool(f.get("tokens_estimated"))))
     if op.action == "end":
+        if op.first_wins:
+            return END_FIRST.format(id=sid, at=at, reason=_text(op.reason))
         return END.format(id=sid, at=at, default_source=sql_literal(default_source),
                           user=_text(op.user_id), reason=_text(op.reason))
-    if op.ended_before is None:
-        condition = "true"
-    else:
+    source_clause = "" if op.source is None else f"AND p.source = {sql_literal(op.source)}"
+    if op.ended_before is not None:
         condition = PRUNE_CONDITION.format(
             id=sid, before=repr(op.ended_before), key=sql_literal(op.record_key),
-            source_clause="" if op.source is None else f"AND p.source = {sql_literal(op.source)}")
+            source_clause=source_clause)
+    elif op.started_before is not None:
+        condition = PRUNE_STARTED.format(
+            id=sid, before=repr(op.started_before), key=sql_literal(op.record_key),
+            source_clause=source_clause)
+    else:
+        condition = "true"
     return DELETE.format(id=sid, condition=condition)
 
 
@@ -223,6 +255,8 @@ def _replica_row(op: SessionOp, payload: str, backend: str) -> str:
     if it changed its session: see the module doc."""
     sid, record = sql_literal(op.session_id), sql_literal(payload)
     condition = "true"
+    if op.action == "replace":
+        return ""  # not mirrored: a replica keeps the messages it was sent (see README)
     if op.action == "delete":
         condition = DELETED.format(id=sid)
     elif op.action == "import":
@@ -238,9 +272,14 @@ def _replica_row(op: SessionOp, payload: str, backend: str) -> str:
 def _import_row(op: SessionOp, default_source: str) -> str:
     if op.row is None:
         return ""
-    return IMPORT_ROW.format(id=sql_literal(op.session_id), row=sql_literal(_JSON.encode(op.row)),
-                             default_source=sql_literal(default_source),
-                             at=repr(op.accepted_at))
+    columns = [c for c in IMPORTED_ROW_COLUMNS if c in op.row and c not in _ROW_ALWAYS]
+    values = [f"r ->> '{c}'" if IMPORTED_ROW_COLUMNS[c][1] else f"coalesce(r ->> '{c}', 0)"
+              for c in columns]
+    return IMPORT_ROW.format(
+        id=sql_literal(op.session_id), row=sql_literal(_JSON.encode(op.row)),
+        default_source=sql_literal(default_source), started=repr(op.started_at),
+        at=repr(op.accepted_at), columns="".join(f", {c}" for c in columns),
+        values="".join(f", {v}" for v in values))
 
 
 def _import_new(op: SessionOp) -> str:
@@ -261,13 +300,19 @@ def _import_messages(op: SessionOp, ids: MessageIds | None) -> str:
         first = ids.for_record(op.record_key, len(messages))
     floor = ids.floor if ids is not None else 0
     kept = int(all(m[0] < floor for m in messages))
-    rows = sql_literal(_JSON.encode([m if len(m) == IMPORTED_MESSAGE_FIELDS else [*m, None]
-                                     for m in messages]))
+    pad = [None, 1]  # an earlier version's record: no fields (12), no active flag (13)
+    rows = sql_literal(_JSON.encode([
+        m if len(m) == IMPORTED_MESSAGE_FIELDS else [*m, *pad[len(m) - IMPORTED_MESSAGE_FIELDS:]]
+        for m in messages]))
+    # Exported ids raise the highest id given only when they may be kept (all below the
+    # floor): an id from another store far above this one's must not move its counter.
+    high = int(first) + len(messages) - 1
+    if kept:
+        high = max(high, *(int(m[0]) for m in messages))
     return IMPORT_MESSAGES.format(
         rows=rows, new=_import_new(op), free=IMPORT_IDS_FREE.format(rows=rows), kept=kept,
         first=int(first), scope=sql_literal(scope_tokens(op.user_id, op.session_id)),
-        id=sql_literal(op.session_id)) + ID_HIGH.format(
-            high=max(int(first) + len(messages) - 1, *(int(m[0]) for m in messages)))
+        id=sql_literal(op.session_id)) + ID_HIGH.format(high=high)
 
 
 def _text(value: object) -> str:
@@ -275,15 +320,20 @@ def _text(value: object) -> str:
 
 
 class Lifecycle(Connections):
-    """The reads prune needs (its deletes are batch statements, above)."""
+    """The reads prune and import need (their writes are batch statements, above)."""
 
-    async def prunable_sessions(self, before: float, source: str | None
-                                ) -> list[tuple[str, str | None]]:
+    async def prunable_sessions(self, before: float, source: str | None, *,
+                                started: bool = False) -> list[tuple[str, str | None]]:
         """(id, user) of the sessions that ended and were last updated before ``before``
-        (of ``source`` only, when given), oldest first."""
-        sql = ("SELECT id, user_id FROM sessions WHERE ended_at IS NOT NULL AND ended_at < ? "
-               "AND updated_at < ?")
-        params: list[object] = [before, before]
+        (with ``started``: that ended, and started before it), of ``source`` only when
+        given, oldest first."""
+        if started:
+            sql = "SELECT id, user_id FROM sessions WHERE ended_at IS NOT NULL AND started_at < ?"
+            params: list[object] = [before]
+        else:
+            sql = ("SELECT id, user_id FROM sessions WHERE ended_at IS NOT NULL "
+                   "AND ended_at < ? AND updated_at < ?")
+            params = [before, before]
         if source is not None:
             sql += " AND source = ?"
             params.append(source)
@@ -302,6 +352,59 @@ class Lifecycle(Connections):
                         f"SELECT id FROM sessions WHERE id IN ({','.join('?' * len(chunk))})",
                         chunk) as cur:
                     found.update(str(r[0]) for r in await cur.fetchall())
+        return found
+
+    async def import_state(self, ids: Sequence[str]
+                           ) -> dict[str, tuple[float, dict[str, int]]]:
+        """For each of ``ids`` that has a session row: its start, and how many messages it
+        holds of each turn (by turn key), from one read transaction: what an import checks
+        before it accepts a session, and once it committed."""
+        found: dict[str, tuple[float, dict[str, int]]] = {}
+        async with self.reader() as db:
+            await db.execute("BEGIN")
+            try:
+                for i in range(0, len(ids), KEY_CHUNK):
+                    chunk = list(ids[i : i + KEY_CHUNK])
+                    marks = ",".join("?" * len(chunk))
+                    async with db.execute(
+                            f"SELECT id, started_at FROM sessions WHERE id IN ({marks})",
+                            chunk) as cur:
+                        for r in await cur.fetchall():
+                            found[str(r[0])] = (float(r[1]), {})
+                    async with db.execute(
+                            "SELECT session_id, turn_key, count(*) FROM messages "
+                            f"WHERE session_id IN ({marks}) GROUP BY session_id, turn_key",
+                            chunk) as cur:
+                        for r in await cur.fetchall():
+                            if str(r[0]) in found:
+                                found[str(r[0])][1][str(r[1])] = int(r[2])
+            finally:
+                await db.execute("COMMIT")
+        return found
+
+    async def session_parents(self, ids: Sequence[str]) -> dict[str, str | None]:
+        """The parent of each of ``ids`` that has a session row (None: it has none)."""
+        found: dict[str, str | None] = {}
+        async with self.reader() as db:
+            for i in range(0, len(ids), KEY_CHUNK):
+                chunk = list(ids[i : i + KEY_CHUNK])
+                async with db.execute(
+                        "SELECT id, parent_session_id FROM sessions "
+                        f"WHERE id IN ({','.join('?' * len(chunk))})", chunk) as cur:
+                    found.update((str(r[0]), None if r[1] is None else str(r[1]))
+                                 for r in await cur.fetchall())
+        return found
+
+    async def dead_records(self, keys: Sequence[str]) -> dict[str, str]:
+        """Which of these record keys were dead-lettered, each with why."""
+        found: dict[str, str] = {}
+        async with self.reader() as db:
+            for i in range(0, len(keys), KEY_CHUNK):
+                chunk = list(keys[i : i + KEY_CHUNK])
+                async with db.execute(
+                        "SELECT key, last_error FROM outbox WHERE status = 'dead' "
+                        f"AND key IN ({','.join('?' * len(chunk))})", chunk) as cur:
+                    found.update((str(r[0]), str(r[1] or "")) for r in await cur.fetchall())
         return found
 
     async def export_sessions(
