@@ -10,7 +10,9 @@
     ├── StoreError                the store or the outbox failed; what was accepted stays durable
     │   ├── DiskFullError         no space left to make a turn durable or to commit it
     │   ├── StoreAccessError      the store's file or folder cannot be used (read-only, missing)
-    │   ├── CorruptStoreError     the store file is damaged or is not a SQLite store of ours
+    │   ├── CorruptStoreError     the store file is damaged or is not a SQLite database
+    │   ├── ForeignStoreError     the file is another program's SQLite database (Hermes's own
+    │   │                         state.db, say): refused, left untouched
     │   ├── CorruptOutboxError    an outbox segment cannot be used at all
     │   ├── LeaseLostError        another worker took over inbox turns (or a shared job) this
     │   │                         one had claimed
@@ -80,6 +82,11 @@ class CorruptStoreError(StoreError):
     def __init__(self, path: Path | str, detail: str) -> None:
         self.path = Path(path)
         super().__init__(f"the store {self.path} is damaged or not a memory store: {detail}")
+
+
+class ForeignStoreError(StoreError):
+    """The file is another program's SQLite database, not a store of ours: it is refused and
+    left as it was (no table added, no journal mode switched)."""
 
 
 class CorruptOutboxError(StoreError):

@@ -129,3 +129,28 @@ def test_the_config_schema_and_file_carry_the_honcho_backend(tmp_path: Path) -> 
         config.save({"honcho_api_key": "hk-in-a-file"}, tmp_path)
     with pytest.raises(ConfigurationError, match="HONCHO_API_KEY"):  # remote URL, no key
         config.load(tmp_path, {})
+
+
+def test_session_store_switch_hands_import_hermes_state_to_ours_and_back(
+        tmp_path: Path) -> None:
+    """The one documented change: after ``--session-store`` a Python that reads the site
+    directory imports our SessionDB as ``hermes_state``; ``--no-session-store`` gives Hermes
+    its own back. (A scratch site directory stands for the environment's site-packages.)"""
+    home, site = tmp_path / "home", tmp_path / "site"
+    site.mkdir()
+    probe = ("import site, sys; site.addsitedir(sys.argv[1]); import hermes_state; "
+             "print(hermes_state.__name__, hermes_state.DEFAULT_DB_PATH)")
+    env = {**os.environ, "HERMES_HOME": str(home)}
+
+    def imported() -> str:
+        return subprocess.run([sys.executable, "-c", probe, str(site)], env=env, check=True,
+                              capture_output=True, text=True, timeout=60).stdout.strip()
+
+    assert imported().startswith("hermes_state ")  # Hermes's own
+    args = ["hermes", "install", "--hermes-home", str(home), "--site-packages", str(site)]
+    assert cli.main([*args, "--session-store"]) == 0
+    name, path = imported().split(" ", 1)
+    assert name == "hermes_async_memory.hermes.state"
+    assert Path(path) == home / hconfig.DEFAULT_DB  # the provider's store: one file
+    assert cli.main([*args, "--no-session-store"]) == 0
+    assert imported().startswith("hermes_state ")

@@ -1,6 +1,8 @@
-"""``hermes-memory hermes install``: write the plugin folder Hermes Agent loads.
+"""``hermes-memory hermes install``: write the plugin folder Hermes Agent loads, and with
+``--session-store`` make this library Hermes's session store too.
 
     hermes-memory hermes install [--hermes-home DIR] [--force]
+                                 [--session-store | --no-session-store]
 
 writes ``$HERMES_HOME/plugins/hermes_async_memory/{__init__.py,plugin.yaml}``. Hermes loads it
 when ``memory.provider: hermes_async_memory`` is set in ``$HERMES_HOME/config.yaml``. Its
@@ -8,6 +10,12 @@ loader wants, in ``__init__.py``, the text ``MemoryProvider`` or ``register_memo
 within the first 8 KB, and a ``register(ctx)`` function (or a ``MemoryProvider`` subclass);
 ``plugin.yaml`` gives the description ``hermes memory setup`` lists, and ``kind: exclusive``
 keeps Hermes's general plugin manager from loading the folder as an ordinary plugin.
+
+``--session-store`` points every ``import hermes_state`` of this Python environment at
+``hermes_async_memory.hermes.state``: a one-line ``.pth`` file in its site-packages puts
+``$HERMES_HOME/session_store/`` first on ``sys.path`` at start-up, and the ``hermes_state.py``
+there hands the import over to our module. Hermes's own module is left installed;
+``--no-session-store`` removes the ``.pth`` file and Hermes uses it again.
 
 Only argparse is imported at start-up; the command imports what it needs when it runs.
 """
@@ -51,6 +59,22 @@ hooks:
 """
 
 
+# The session store's switch: a .pth file in site-packages, and the module it puts first.
+PTH_NAME = "hermes_async_memory_session_store.pth"
+STATE_TEMPLATE = '''"""Hermes Agent's session store, answered by hermes-async-memory.
+
+{marker} --session-store (hermes-async-memory {version}); remove with
+`hermes-memory hermes install --no-session-store`.
+"""
+
+import importlib
+import sys
+
+sys.modules[__name__] = importlib.import_module("hermes_async_memory.hermes.state")
+'''
+PTH_TEMPLATE = "import sys; sys.path.insert(0, {folder!r})  # {marker} --session-store\n"
+
+
 def register(commands: Any) -> None:
     """Add ``hermes`` to ``commands`` (argparse sub-parsers)."""
     hermes = commands.add_parser(
@@ -73,7 +97,21 @@ def register(commands: Any) -> None:
         "--force", action="store_true",
         help="replace a plugin folder of the same name that this command did not write",
     )
-    install.set_defaults(handler=_install)
+    store = install.add_mutually_exclusive_group()
+    store.add_argument(
+        "--session-store", dest="session_store", action="store_const", const=True,
+        help="also make hermes-async-memory Hermes's session store (hermes_state.SessionDB) "
+             "in this Python environment",
+    )
+    store.add_argument(
+        "--no-session-store", dest="session_store", action="store_const", const=False,
+        help="give Hermes its own session store back in this Python environment",
+    )
+    install.add_argument(
+        "--site-packages", metavar="DIR", default=None,
+        help="where the session store's .pth file goes (default: this Python's site-packages)",
+    )
+    install.set_defaults(handler=_install, session_store=None)
 
 
 def _install(args: argparse.Namespace) -> int:
@@ -108,6 +146,8 @@ def _install(args: argparse.Namespace) -> int:
     print(f"wrote {yaml_file}")
     print(f"enable it: set memory.provider: {PROVIDER_NAME} in {home / 'config.yaml'}")
     print(f"  (or: HERMES_HOME={home} hermes config set memory.provider {PROVIDER_NAME})")
+    if args.session_store is not None:
+        _session_store(home, fields, on=args.session_store, site_packages=args.site_packages)
     if importlib.util.find_spec("hermes_constants") is None:  # a top-level module of hermes-agent
         print(
             f"note: hermes-agent is not installed in this Python ({sys.executable}); "
@@ -115,3 +155,30 @@ def _install(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _session_store(home: Any, fields: dict[str, str], *, on: bool,
+                   site_packages: str | None = None) -> None:
+    """Write (or remove) the switch that hands ``import hermes_state`` to our module."""
+    import os
+    import sysconfig
+    from pathlib import Path
+
+    from .config import DEFAULT_DB, PROVIDER_NAME
+
+    site = Path(site_packages) if site_packages else Path(sysconfig.get_paths()["purelib"])
+    pth = site / PTH_NAME
+    if not on:
+        pth.unlink(missing_ok=True)
+        print(f"removed {pth}: Hermes uses its own session store (state.db) again")
+        return
+    folder = Path(home) / "session_store"
+    folder.mkdir(parents=True, exist_ok=True)
+    for path, text in ((folder / "hermes_state.py", STATE_TEMPLATE.format(**fields)),
+                       (pth, PTH_TEMPLATE.format(folder=str(folder), **fields))):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+        print(f"wrote {path}")
+    print(f"Hermes's sessions now live in {Path(home) / DEFAULT_DB} (with the "
+          f"{PROVIDER_NAME} memory); its own state.db is left as it was")

@@ -22,7 +22,13 @@ import aiosqlite
 import anyio
 import structlog
 
-from ..errors import CorruptStoreError, DiskFullError, StoreAccessError, StoreError
+from ..errors import (
+    CorruptStoreError,
+    DiskFullError,
+    ForeignStoreError,
+    StoreAccessError,
+    StoreError,
+)
 from ..faults import (
     SQLITE_CANTOPEN,
     SQLITE_CORRUPT,
@@ -43,6 +49,48 @@ log = structlog.get_logger(__name__)
 # so a long busy timeout would hold every shutdown deadline hostage.
 STATEMENT_BUSY_MS = 100
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+# The tables a store of ours has; a SQLite file with tables but not these is someone else's.
+_OUR_TABLES = ("schema_version", "outbox", "messages_fts")
+
+
+def check_store_file(path: Path) -> None:
+    """Refuse a SQLite file that is not a store of ours (Hermes Agent's own state.db, say),
+    without changing it: read-only, no journal mode switched, nothing created.
+
+    Raises:
+        ForeignStoreError: the file holds tables and is not a store of ours.
+        CorruptStoreError: it is not a SQLite database at all.
+    """
+    try:
+        if not path.is_file() or path.stat().st_size == 0:
+            return
+        with path.open("rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        raise _os_error(path, exc) from exc
+    if head != _SQLITE_MAGIC:
+        raise CorruptStoreError(path, "the file is not a SQLite database")
+    # Read-only, and immutable when no write-ahead log is there: even a read-only connection
+    # to a database in WAL mode creates its -wal and -shm files otherwise.
+    wal = path.with_name(path.name + "-wal").exists()
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(path))}?mode=ro{'' if wal else '&immutable=1'}",
+                               uri=True, timeout=10.0)
+        try:
+            tables = {r[0] for r in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")}
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise CorruptStoreError(path, str(exc)) from exc
+    if tables and not all(t in tables for t in _OUR_TABLES):
+        what = ("Hermes Agent's own session store" if {"state_meta", "sessions", "messages"}
+                <= tables else "another program's SQLite database")
+        raise ForeignStoreError(
+            f"{path} is {what}, not a hermes-async-memory store; it was left untouched "
+            "(choose another file for the store)")
 
 
 class Connections:
@@ -102,6 +150,7 @@ class Connections:
             os.chmod(self.path, 0o600)
         except OSError as exc:
             raise _os_error(self.path, exc) from exc
+        await anyio.to_thread.run_sync(check_store_file, self.path)
         try:
             self._writer = await self._connect(busy_ms=self._statement_busy_ms)
             if self.tool_log is not None:
