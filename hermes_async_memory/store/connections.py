@@ -152,7 +152,10 @@ class Connections:
             raise _os_error(self.path, exc) from exc
         await anyio.to_thread.run_sync(check_store_file, self.path)
         try:
-            self._writer = await self._connect(busy_ms=self._statement_busy_ms)
+            # The whole busy timeout while the schema is brought up to date: a writer another
+            # process (or an abandoned close of this one) still has in a transaction holds
+            # the file for a moment, which a start waits out. Its statements get the short one.
+            self._writer = await self._connect()
             if self.tool_log is not None:
                 await self._writer.create_function(
                     OUTCOME_FUNCTION, 1, outcome_function(self.tool_log.rules),
@@ -168,6 +171,7 @@ class Connections:
                     "coalesce((SELECT max(high) FROM message_id_high), 0))") as cur:
                 row = await cur.fetchone()
             self.ids.start_after(int(row[0]) if row else 0)
+            await self._writer.execute(f"PRAGMA busy_timeout = {int(self._statement_busy_ms)}")
         except (sqlite3.Error, OSError) as exc:
             await self.aclose()
             code = sqlite_code(exc)
