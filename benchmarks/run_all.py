@@ -25,7 +25,7 @@ from _common import BENCH_DIR, library_version, machine
 
 BENCHMARKS = (
     "prefetch", "sync_turn", "throughput", "loop_lag", "memory", "recall", "flush", "hermes",
-    "honcho", "kv", "sessions", "procedural", "postgres", "ui",
+    "hermes_state", "honcho", "kv", "sessions", "procedural", "postgres", "ui",
 )
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 QUIET_BELOW = 0.15

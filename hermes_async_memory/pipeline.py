@@ -53,6 +53,7 @@ from .store import SqliteStore, ToolLogConfig
 from .supervisor import DISK_FULL, Conditions, Health
 from .templates.store import TemplateStore
 from .turns import Receipt, check_id, encode_turn
+from .waker import LoopWaker
 
 log = structlog.get_logger(__name__)
 
@@ -129,6 +130,7 @@ class MemoryPipeline:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._runner: asyncio.Task[None] | None = None
+        self._waker: LoopWaker | None = None
         self.sanitized = 0
 
     # -- life cycle --------------------------------------------------------------------
@@ -157,6 +159,9 @@ class MemoryPipeline:
         parts = await build_parts(self, self._key_prefix, self._backoff, self._on_failure)
         self._parts = parts
         self._runner = asyncio.create_task(parts.supervisor.run(), name="hermes-memory")
+        waker = LoopWaker(self._loop)
+        waker.start()
+        self._waker = waker
         self._state = OPEN
         log.info("pipeline_started", db=str(self.settings.db_path), role=self.settings.role,
                  recovered_turns=parts.recovery.records,
@@ -239,6 +244,9 @@ class MemoryPipeline:
             try:
                 await parts.shut_down(self._runner, deadline, drain=self._failure is None)
             finally:
+                waker, self._waker = self._waker, None
+                if waker is not None:
+                    await anyio.to_thread.run_sync(waker.stop, abandon_on_cancel=True)
                 self._state = CLOSED
                 self._closed.set()
 
@@ -356,6 +364,10 @@ class MemoryPipeline:
         """Run ``fn(*args)`` on the pipeline's loop: now if this is its thread, else soon."""
         if threading.get_ident() == self._loop_thread:
             fn(*args)
+            return
+        waker = self._waker
+        if waker is not None:  # see waker: the caller never hands the GIL to the loop here
+            waker.call(fn, *args)
             return
         assert self._loop is not None
         try:
