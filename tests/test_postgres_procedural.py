@@ -1,8 +1,9 @@
 """Procedural memory and templates in the shared PostgreSQL store, against a real server:
 a pipeline with backend "postgres" logs the same tool calls there as in its SQLite file, and
-once the derived jobs ran (claimed as a worker claims them) the same fixes; a resend logs
-nothing; the bound job trims the oldest calls; template saves, starts, ends and deletes give
-the same counts and detached sessions as SQLite. Backends that keep no templates get none."""
+once the derived jobs ran (claimed as a worker claims them) the same fixes, also when calls
+and their answers come in separate records (message by message); a resend logs nothing; the
+bound job trims the oldest calls; template saves, starts, ends and deletes give the same
+counts and detached sessions as SQLite. Backends that keep no templates get none."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from hermes_async_memory.turns import Turn
 from .fixtures_conversations import CODE_SESSION
 from .test_postgres_backend import WAIT_S, pg_settings, upgraded
 from .test_procedural_log import SESSION, call, turn
+from .test_procedural_records import answer, calling, reply, user
 from .test_templates_store import calls_session, write
 
 KINDS = list(DERIVED_HANDLERS)
@@ -314,6 +316,104 @@ async def test_the_bound_job_trims_each_users_oldest_calls(
         "SELECT call_id FROM tool_calls WHERE user_id = 'ann' ORDER BY id DESC")]
     assert kept == [f"c{i}" for i in range(59, 39, -1)]  # the newest 20
     assert await check_calls(pool, settled=True) == 21
+
+
+def each(mem: MemoryPipeline, session: str, messages: Sequence[dict[str, Any]],
+         user_id: str | None) -> None:
+    """Each message its own record, as Hermes's session store writes them."""
+    for m in messages:
+        mem.sessions.append_nowait(session, [m], user_id=user_id)
+
+
+# Two calls of one message answered in the other order, the second a success of the first's
+# tool; a third never answered, closed by the reply after a success of its tool.
+OUT_OF_ORDER = [user("read both"),
+                calling(call("p1", "read_file", path="a"), call("p2", "read_file", path="b"),
+                        call("p3", "terminal", command="x")),
+                answer("p2", {"content": "b"}), answer("p1", {"error": "EACCES"}),
+                calling(call("p4", "terminal", command="y")), answer("p4", {"exit_code": 0}),
+                reply()]
+
+
+async def test_calls_answered_in_later_records_are_the_local_stores(
+        tmp_path: Path, pg_dsn: str, pool: Pool[Record]) -> None:
+    """Message by message, some replicated before the others: the same calls, answers and
+    fixes as SQLite's; a call awaits its answer in both until a later record or its
+    session's end settles it, and no job takes it meanwhile."""
+    settings = pg_settings(tmp_path, pg_dsn)
+    recorded = [m for msgs in SESSION for m in msgs]
+    async with MemoryPipeline(settings) as mem:
+        for i, m in enumerate(recorded):
+            each(mem, "s1", [m], "ann")
+            if i % 5 == 4:
+                await replicated(mem)
+        each(mem, "s2", OUT_OF_ORDER[:3], "ann")
+        await replicated(mem)
+        each(mem, "s2", OUT_OF_ORDER[3:], "ann")
+        # A reused call id: the second turn's answer is not the first's.
+        each(mem, "s3", [user("one"), calling(call("call_0", "terminal", command="a"))], "bob")
+        await replicated(mem)
+        each(mem, "s3", [user("two"), calling(call("call_0", "terminal", command="b")),
+                         answer("call_0", {"exit_code": 0}), reply()], "bob")
+        each(mem, "s4", [user("go"), calling(call("e1", "terminal", command="z"))], None)
+        await replicated(mem)
+        await run_jobs(pool)
+        assert [tuple(r) for r in await pool.fetch(
+            "SELECT call_id, awaiting, pending FROM tool_calls WHERE awaiting")] == [
+            ("e1", True, True)]
+        await mem.sessions.end("s4", "user_exit")
+        await replicated(mem)
+    local = local_calls(settings.db_path)
+    assert len(local) == 7 + 4 + 2 + 1
+    await run_jobs(pool)
+    assert await shared_calls(pool) == local
+    assert await check_calls(pool, settled=True) == len(local)
+    fixed = {k[2]: v[-2][2] for k, v in local.items() if v[-2]}  # call: the one it fixed
+    assert fixed == {"a2": "a1", "b2": "b1", "p2": "p1", "p4": "p3", "call_0": "call_0"}
+    outcomes = sorted((v[1], v[0], v[4], v[6], v[7]) for v in local.values()
+                      if v[1] in ("s3", "s4"))
+    assert outcomes == [("s3", "call_0", '{"command":"a"}', False, "no_result"),
+                        ("s3", "call_0", '{"command":"b"}', True, None),
+                        ("s4", "e1", '{"command":"z"}', False, "no_result")]
+
+
+def record(key: str, role: str, content: str | None = None, *, calls: Any = None,
+           call_id: str | None = None, at: float = 1.0) -> Turn:
+    """One message of bob's session s1, as its own record."""
+    return Turn.build(key=key, session_id="s1", user_id="bob", accepted_at=at, messages=[
+        (role, content, None if calls is None else json.dumps(calls), call_id, None)],
+        metadata=None)
+
+
+async def test_a_call_settled_after_its_users_job_ran_is_taken_by_the_next(
+        tmp_path: Path, pg_dsn: str, pool: Pool[Record]) -> None:
+    """The job skips a call awaiting its answer; settled later (after a success of its tool
+    that came after it), the next job counts it once and marks it as in order."""
+    backend = PostgresBackend(pg_settings(tmp_path, pg_dsn))
+    await backend.startup()
+    try:
+        await backend.write([
+            record("r1", "user", "fix the build"),
+            record("r2", "assistant", "", calls=[call("c1", "terminal", command="make"),
+                                                 call("c2", "terminal", command="make -j1")]),
+            record("r3", "tool", json.dumps({"exit_code": 0}), call_id="c2")])
+        await run_jobs(pool)
+        assert [tuple(r) for r in await pool.fetch(
+            "SELECT call_id, awaiting, pending, fixes FROM tool_calls ORDER BY id")] == [
+            ("c1", True, True, None), ("c2", False, False, None)]
+        assert await pool.fetchval("SELECT n FROM tool_log_counts WHERE user_id = 'bob'") == 1
+        await backend.write([record("r4", "tool", json.dumps({"exit_code": 2}),
+                                    call_id="c1", at=2.0),
+                             record("r5", "assistant", "the build passes", at=3.0)])
+    finally:
+        await backend.aclose()
+    assert [j.key for j in await run_jobs(pool)] == ["procedural:bob"]
+    assert await check_calls(pool, settled=True) == 2
+    assert [tuple(r) for r in await pool.fetch(
+        "SELECT call_id, ok, error_type, goal FROM tool_calls ORDER BY id")] == [
+        ("c1", False, "exit_code", "fix the build"), ("c2", True, None, "fix the build")]
+    assert await pool.fetchval("SELECT fixes FROM tool_calls WHERE call_id = 'c2'") == (
+        await pool.fetchval("SELECT id FROM tool_calls WHERE call_id = 'c1'"))
 
 
 TEMPLATE_COLUMNS = ("name, task_type, tags, description, source_session_id, document, "

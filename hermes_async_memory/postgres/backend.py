@@ -20,8 +20,10 @@ with no operation (the common case) is one phase.
 - **Tool calls.** The calls of the turns' messages are logged as SQLite logs them
   (``derived.call_rows``, with ``Settings.tool_log``), staged beside the messages and
   inserted by the same statement, joined to the messages it inserted: a resend logs
-  nothing. What SQLite does next in its commit (fixes, the per-user bound) is a shared job
-  per user (``derived``), queued in this transaction.
+  nothing. Then the calls of the write's sessions that await their answer are settled by
+  the messages it inserted (``derived.settle_awaiting``: one query, and an update when some
+  are), and a session's end settles its own. What SQLite does next in its commit (fixes,
+  the per-user bound) is a shared job per user (``derived``), queued in this transaction.
 - **seq.** A session's turns are numbered in the order they reach the database: the
   session's highest ``seq`` plus the turn's place among the session's turns of the write,
   under the session row's lock (taken first, by the sessions upsert, in id order so two
@@ -86,15 +88,20 @@ from ..errors import (
     describe,
 )
 from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, SessionOp, parse_op
-from ..procedural.extract import OutcomeRules
+from ..procedural.extract import GOAL_CHARS, OutcomeRules
 from ..retry import Backoff
 from ..settings import Settings
 from ..turns import TURN, Turn, payload_rows, scope_token_for
 from .derived import (
+    CLOSE_ENDED,
+    GOAL,
     PROCEDURAL,
     TEMPLATE_STATS,
+    Written,
     call_rows,
+    last_goals,
     procedural_job,
+    settle_awaiting,
     template_stats_job,
 )
 from .dsn import redact_dsn, settings_dsn
@@ -460,10 +467,18 @@ class PostgresBackend(Backend):
         await conn.execute("DELETE FROM hermes_stage")
         calls: list[tuple[Any, ...]] | None = [] if self._settings.tool_log else None
         calling: Counter[str] = Counter()  # calls per turn key
-        await conn.copy_records_to_table(
-            "hermes_stage", records=stage_rows(turns, calls, calling,
-                                                self._settings.tool_outcome_rules),
-            columns=STAGE_COLUMNS)
+        goalless: dict[str, list[int]] = {}
+        staged = stage_rows(turns, calls, calling, self._settings.tool_outcome_rules,
+                            goalless)
+        if calls and goalless:  # their goal is a user message before this write
+            goals = await last_goals(conn, list(goalless))
+            for sid, places in goalless.items():
+                for i in places:
+                    staged_call = calls[i]  # (pos, turn key, *derived.CallRow)
+                    calls[i] = (*staged_call[:GOAL + 2], goals.get(sid),
+                                *staged_call[GOAL + 3:])
+        await conn.copy_records_to_table("hermes_stage", records=staged,
+                                         columns=STAGE_COLUMNS)
         insert = INSERT_MESSAGES
         if calls:
             await conn.execute(STAGE_CALLS)
@@ -471,6 +486,14 @@ class PostgresBackend(Backend):
                                              columns=STAGE_CALL_COLUMNS)
             insert = INSERT_MESSAGES_AND_CALLS
         inserted = {r["turn_key"] for r in await conn.fetch(insert)}
+        if calls is not None:
+            # The calls of these sessions awaiting their answer, settled by what came now.
+            written_by: dict[str, list[Written]] = {}
+            for m in staged:
+                if m[3] in inserted:
+                    written_by.setdefault(m[1], []).append((m[3], m[4], m[5], m[6], m[7], m[8]))
+            written.procedural |= await settle_awaiting(conn, written_by,
+                                                        self._settings.tool_outcome_rules)
         totals: dict[str, list[int]] = {}
         for t in turns:
             if t.key not in inserted:
@@ -517,6 +540,10 @@ class PostgresBackend(Backend):
             else:
                 written.sessions.add(op.session_id)
             await apply_session(conn, op, self._settings.source)
+            if op.action == "end" and self._settings.tool_log:
+                # Its calls still awaiting their answer were never answered.
+                written.procedural |= {r["user_id"] for r in await conn.fetch(
+                    CLOSE_ENDED, op.session_id)}
         else:
             name = await apply_template(conn, op)
             if name is not None:
@@ -576,14 +603,17 @@ class PostgresBackend(Backend):
 
 
 def stage_rows(turns: Iterable[Turn], calls: list[tuple[Any, ...]] | None = None,
-               calling: Counter[str] | None = None, rules: OutcomeRules = _DEFAULT_RULES
-               ) -> list[tuple[Any, ...]]:
+               calling: Counter[str] | None = None, rules: OutcomeRules = _DEFAULT_RULES,
+               goalless: dict[str, list[int]] | None = None) -> list[tuple[Any, ...]]:
     """The staging rows of ``turns``' messages, in order, each with its turn's rank among
     its session's turns here (1, 2, ...). With ``calls``, the staging rows of their tool
     calls (``derived.call_rows``, judged by ``rules``) are added to it, and ``calling``
-    counts them per turn."""
+    counts them per turn; a call of a turn without a user message takes the session's last
+    one before it as its goal, and ``goalless`` gets, per session, the places in ``calls``
+    of those whose goal is one before these turns (the caller looks it up)."""
     rows: list[tuple[Any, ...]] = []
     ranks: Counter[str] = Counter()
+    last_user: dict[str, str | None] = {}  # the latest user message of a session here
     for t in turns:
         ranks[t.session_id] += 1
         rank = ranks[t.session_id]
@@ -594,11 +624,21 @@ def stage_rows(turns: Iterable[Turn], calls: list[tuple[Any, ...]] | None = None
             rows.append((len(rows), sid, rank, key, ordinal, *texts, float(at), user, scope,
                          metadata, tokens))
         if calls is not None and t.tool_calls:
-            found = call_rows(messages, rules)
+            before = last_user.get(t.session_id)
+            found = call_rows(messages, rules, before)
             if calling is not None:
                 calling[t.key] += len(found)
+            if (goalless is not None and found and t.session_id not in last_user
+                    and not any(m[3] == "user" for m in messages)):
+                goalless.setdefault(t.session_id, []).extend(
+                    range(len(calls), len(calls) + len(found)))
             for row in found:
                 if t.has_nul:
                     row = tuple(clean(v) for v in row)
                 calls.append((len(calls), t.key, *row))
+        if calls is not None:
+            for m in messages:
+                if m[3] == "user":
+                    last_user[t.session_id] = (None if m[4] is None
+                                               else clean(m[4][:GOAL_CHARS]))
     return rows

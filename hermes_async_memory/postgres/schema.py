@@ -31,6 +31,8 @@ machines writing one database need on top:
   user's procedural job (fixes, the per-user bound); a template's counts are recounted by
   its stats job from its sessions (those a delete detached left out) on top of the counts
   it came with (``base_*``) (``postgres.derived``).
+- **Calls awaiting their answer** (version 5): a call whose record holds no answer for it
+  is logged ``awaiting`` until a later write settles it (``postgres.derived``).
 
 Upgrades take a transaction-level advisory lock, so two processes upgrading at once apply
 each migration once: the second waits, then finds nothing to do. A migration and its
@@ -264,12 +266,19 @@ ALTER TABLE template_sessions ADD COLUMN detached boolean NOT NULL DEFAULT false
 CREATE INDEX template_sessions_template ON template_sessions (template) WHERE NOT detached;
 """
 
+# A call may await its answer in a later record (``derived.settle_awaiting``).
+AWAITING = """
+ALTER TABLE tool_calls ADD COLUMN awaiting boolean NOT NULL DEFAULT false;
+CREATE INDEX tool_calls_awaiting ON tool_calls (session_id, call_id) WHERE awaiting;
+"""
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "sessions, messages, key-value memory, tool-call log, templates",
               CORE_TABLES),
     Migration(2, "shared jobs", JOBS),
     Migration(3, "recall job results", RECALL_RESULTS),
     Migration(4, "derived work: pending tool calls, template base counts", DERIVED),
+    Migration(5, "tool calls awaiting their answer", AWAITING),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 assert [m.version for m in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1))

@@ -75,22 +75,25 @@ CREATE TEMP TABLE IF NOT EXISTS hermes_stage_calls (
     error_type text,
     error_message text,
     duration_ms double precision,
-    goal text
+    goal text,
+    awaiting boolean NOT NULL
 ) ON COMMIT DELETE ROWS;
 DELETE FROM hermes_stage_calls;
 """
 STAGE_CALL_COLUMNS = ("pos", "turn_key", "ordinal", "call_id", "tool", "arguments", "result",
-                      "ok", "error_type", "error_message", "duration_ms", "goal")
+                      "ok", "error_type", "error_message", "duration_ms", "goal", "awaiting")
 # INSERT_MESSAGES, and in the same statement the staged calls of the messages it inserted
 # (joined to its RETURNING: a message already there, a resend's, adds no call), in message
-# then call order, waiting for their user's procedural job (``pending``).
+# then call order, waiting for their user's procedural job (``pending``), or for their answer
+# (``awaiting``: ``derived.settle_awaiting``).
 INSERT_MESSAGES_AND_CALLS = _INSERT_STAGED.format(
     returning="id, session_id, turn_key, ordinal, user_id, timestamp") + """, calls AS (
     INSERT INTO tool_calls (message_id, call_id, session_id, user_id, tool, arguments, result,
-                            ok, error_type, error_message, duration_ms, goal, at, pending)
+                            ok, error_type, error_message, duration_ms, goal, at, pending,
+                            awaiting)
     SELECT ins.id, c.call_id, ins.session_id, coalesce(ins.user_id, ''), c.tool, c.arguments,
            c.result, c.ok, c.error_type, c.error_message, c.duration_ms, c.goal,
-           ins.timestamp, true
+           ins.timestamp, true, c.awaiting
     FROM hermes_stage_calls AS c JOIN ins USING (turn_key, ordinal)
     ORDER BY c.pos
     ON CONFLICT (message_id, call_id) DO NOTHING

@@ -1,7 +1,8 @@
 """The query API of procedural memory (``pipeline.procedural``): per-tool statistics with
 frequent errors and success hints, call search, the fix for an error, and the arguments that
 worked for a goal. It reads what is committed (``await pipeline.flush()`` first to read the
-latest turns' calls)."""
+latest turns' calls); a call still awaiting its answer (``store.tool_log``: its answer, or
+the message that closes it, is not committed yet) is read once it is settled."""
 
 from __future__ import annotations
 

@@ -99,11 +99,12 @@ HAS_TAG = "AND EXISTS (SELECT 1 FROM json_each(tags) WHERE value IN ({marks}))"
 # The session's tool calls from the log, each with whether it was made in the session's
 # first ``?2`` turns: before the first message (ordinal 0) of the turn after them. Message
 # ids grow in the order a session's turns commit, which is the order they were accepted.
+# A call still awaiting its answer is not counted (store.tool_log).
 SESSION_CALLS = """
 SELECT tool, ok, message_id < coalesce(
     (SELECT id FROM messages WHERE session_id = ?1 AND ordinal = 0 ORDER BY id
      LIMIT 1 OFFSET ?2), 9223372036854775807)
-FROM tool_calls WHERE session_id = ?1 ORDER BY id
+FROM tool_calls WHERE session_id = ?1 AND awaiting = 0 ORDER BY id
 """
 STATS = """
 SELECT task_type, template IS NOT NULL, count(*), count(ended_at), coalesce(sum(ok = 1), 0),
