@@ -7,7 +7,11 @@ their sessions. Three kinds:
   after every turn of the session accepted before it: ``describe`` (model, model config,
   system prompt, parent, source), ``end`` (with a reason) and ``delete`` (optionally only if
   the session ended before a cut-off and holds nothing newer: prune's form). A delete that
-  trails a pending turn removes that turn too; it can never be brought back by it.
+  trails a pending turn removes that turn too; it can never be brought back by it. The
+  session store's changes travel the same way (``update``, ``usage``, ``reopen``,
+  ``replace``, ``fields``, ``active``), and so does Hermes Agent's own state beside the
+  sessions (``STATE_ACTIONS``: ``meta`` in the one lane ``lane_of_meta()``, ``lock`` in the
+  session's).
 - a warm-start template write (``OP_TEMPLATE``), all in the one lane
   ``lane_of_templates()``, so they commit in the order they were accepted: ``put`` (a
   template's JSON document), ``delete``, ``use`` (a session started from a template, or
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from json.encoder import encode_basestring_ascii as _esc
 from typing import Any, NamedTuple
@@ -35,7 +40,18 @@ OP_SESSION = "session"
 OP_TEMPLATE = "template"
 OP_KINDS = frozenset({OP_KV, OP_SESSION, OP_TEMPLATE})
 SESSION_ACTIONS = frozenset({"describe", "end", "delete", "import", "update", "usage",
-                             "reopen", "replace"})
+                             "reopen", "replace", "fields", "active", "meta", "lock"})
+# Hermes Agent's own state beside the sessions: ``meta`` sets a key of its key-value state
+# (in the one lane ``lane_of_meta()``); ``lock`` acquires, refreshes or releases a session's
+# compression lock (in the session's lane). Their arguments: the record's ``a``.
+STATE_ACTIONS = frozenset({"meta", "lock"})
+LOCK_MODES = frozenset({"acquire", "refresh", "release"})
+MAX_META_KEY_CHARS = 512
+# A ``fields`` record sets keys of one message's fields (Hermes's per-message columns, such
+# as api_content): never these, which columns and indexes hold; a key is a plain name.
+MESSAGE_FIELD_COLUMNS = frozenset({"role", "content", "tool_calls", "tool_call_id",
+                                   "tool_name", "timestamp", "token_count"})
+MESSAGE_FIELD_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 TEMPLATE_ACTIONS = frozenset({"put", "delete", "use", "outcome"})
 # How a template's put meets a template already stored under its name: "save" replaces its
 # content and keeps its usage and outcome counts; "keep" leaves it as it is (an import);
@@ -149,6 +165,16 @@ class SessionOp(NamedTuple):
     started_before: float | None = None  # delete: only if it ended and started before this
     usage: dict[str, Any] | None = None  # usage: the call's counts, costs and route
     active_only: bool = False  # replace: only the messages the host has not set aside
+    # delete: only if the session ended and nothing changed it after this time (a filtered
+    # prune's form: what chose it still holds)
+    unchanged_before: float | None = None
+    compact: bool = False  # replace: the old messages stay, set aside as compacted
+    # meta: {"k": key, "v": value or None}; lock: {"m": mode, "h": holder, "n": the
+    # caller's time, "e": when the lease ends}; fields: {"i": message id, "f": {key: value
+    # or None (removed)}, "r": only if the message is the session's newest active one of
+    # this role, or None}; active: {"from": the first message id, "on": 1 to restore, 0 to
+    # set aside, "rw": count a rewind on the session}
+    args: dict[str, Any] | None = None
 
 
 class TemplateOp(NamedTuple):
@@ -178,6 +204,11 @@ def lane_of_templates() -> str:
     return f"{LANE_MARK}templates"
 
 
+def lane_of_meta() -> str:
+    """The one lane every write of Hermes Agent's key-value state (``meta``) is ordered in."""
+    return f"{LANE_MARK}meta"
+
+
 def encode_put(record_key: str, user_id: str, accepted_at: float, key: str, value: str,
                metadata: Mapping[str, Any] | None) -> str:
     """A put's record: compact ASCII JSON with ' written as \\u0027, as a turn's (see
@@ -200,8 +231,11 @@ def encode_session_op(record_key: str, session_id: str, user_id: str | None,
                       source: str | None = None, row: Mapping[str, Any] | None = None,
                       messages: list[list[Any]] | None = None,
                       started_at: float | None = None, first_wins: bool = False,
-                      started_before: float | None = None) -> str:
-    """A lifecycle event's record (compact ASCII JSON, ' as \\u0027). Checked by the caller."""
+                      started_before: float | None = None,
+                      unchanged_before: float | None = None,
+                      args: Mapping[str, Any] | None = None) -> str:
+    """A lifecycle event's record (compact ASCII JSON, ' as \\u0027), or a ``meta`` or
+    ``lock`` record (its ``args``). Checked by the caller."""
     doc: dict[str, Any] = {"x": OP_SESSION, "k": record_key, "s": session_id, "u": user_id,
                            "t": accepted_at, "o": action}
     if fields:
@@ -214,6 +248,10 @@ def encode_session_op(record_key: str, session_id: str, user_id: str | None,
         doc["b"] = ended_before
     if started_before is not None:
         doc["sb"] = started_before
+    if unchanged_before is not None:
+        doc["ub"] = unchanged_before
+    if args is not None:
+        doc["a"] = dict(args)
     if source is not None:
         doc["src"] = source
     if action == "import":
@@ -231,7 +269,8 @@ def encode_session_change(record_key: str, session_id: str, user_id: str | None,
                           fill: Mapping[str, Any] | None = None, create: bool = False,
                           usage: Mapping[str, Any] | None = None,
                           messages: Sequence[Sequence[Any]] | None = None,
-                          active_only: bool = False) -> str:
+                          active_only: bool = False, compact: bool = False,
+                          args: Mapping[str, Any] | None = None) -> str:
     """An update, usage, reopen or replace record (compact ASCII JSON, ' as \\u0027), read
     back by ``parse_session``. Checked by the caller; a replace's ``messages`` are
     ``turns.MessageRow`` rows, and its record has an id slot for their ids."""
@@ -245,10 +284,14 @@ def encode_session_change(record_key: str, session_id: str, user_id: str | None,
         doc["cr"] = True
     if usage is not None:
         doc["us"] = dict(usage)
+    if args is not None:
+        doc["a"] = dict(args)
     if action == "replace":
         doc["m"] = [list(m) for m in messages or ()]
         if active_only:
             doc["ao"] = True
+        if compact:
+            doc["cp"] = True
     payload = _ENCODER.encode(doc)
     if action == "replace" and messages:  # its messages' ids, given as it is appended
         payload = payload[:-1] + ',"i":' + "null".rjust(ID_DIGITS) + "}"
@@ -334,8 +377,10 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
         raise TypeError("the event's time is not a number")
     if action not in SESSION_ACTIONS:
         raise ValueError(f"unknown session action {action!r:.20}")
-    if action in ("update", "usage", "reopen", "replace"):
+    if action in ("update", "usage", "reopen", "replace", "fields", "active"):
         return _parse_change(doc, payload, record_key, session_id, user_id, float(at), action)
+    if action in STATE_ACTIONS:
+        return _parse_state(doc, payload, record_key, session_id, user_id, float(at), action)
     fields = doc.get("f") or {}
     if type(fields) is not dict:
         raise TypeError("the event's fields are not an object")
@@ -387,14 +432,19 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
     if first_id is not None and type(first_id) is not int:
         raise TypeError("the import's first message id is not an integer")
     first_wins, started_before = doc.get("fw", False), doc.get("sb")
+    unchanged_before = doc.get("ub")
     if type(first_wins) is not bool:
         raise TypeError("the end's first-wins flag is not a boolean")
     if started_before is not None and not _number(started_before):
         raise TypeError("the start cut-off is not a number")
+    if unchanged_before is not None and not _number(unchanged_before):
+        raise TypeError("the unchanged-since cut-off is not a number")
     return SessionOp(record_key, session_id, user_id, float(at), action, fields, reason,
                      None if before is None else float(before), source, row, messages,
                      started, snapshot, first_id, first_wins=first_wins,
-                     started_before=None if started_before is None else float(started_before))
+                     started_before=None if started_before is None else float(started_before),
+                     unchanged_before=(None if unchanged_before is None
+                                       else float(unchanged_before)))
 
 
 def _parse_change(doc: Mapping[str, Any], payload: str, record_key: str, session_id: str,
@@ -420,22 +470,85 @@ def _parse_change(doc: Mapping[str, Any], payload: str, record_key: str, session
             if not ok:
                 raise TypeError(f"the usage value {name!r:.40} is mistyped")
     messages, active_only = doc.get("m"), doc.get("ao", False)
+    compact = doc.get("cp", False)
     if action == "replace":
         if type(messages) is not list or not all(
                 type(m) is list and len(m) == 8 and type(m[0]) is str for m in messages):
             raise TypeError("the replacing messages are mistyped")
-        if type(active_only) is not bool:
-            raise TypeError("the replace's active-only flag is not a boolean")
+        if type(active_only) is not bool or type(compact) is not bool:
+            raise TypeError("the replace's active-only or compact flag is not a boolean")
     first_id = doc.get("i")
     if first_id is not None and type(first_id) is not int:
         raise TypeError("the record's first message id is not an integer")
+    args = doc.get("a") if action in ("fields", "active") else None
+    if action == "fields":
+        _check_message_fields(args)
+    elif action == "active":
+        if type(args) is not dict or type(args.get("from")) is not int or args.get(
+                "on") not in (0, 1) or type(args.get("rw", False)) is not bool:
+            raise TypeError("the active record's arguments are mistyped")
     if "\\u0000" in payload and _holds_nul(fields, fill, usage,
                                              [m[:7] for m in messages or ()]):
         raise ValueError("the event holds U+0000 in a text column")
     return SessionOp(record_key, session_id, user_id, at, action, fields, None, None, None,
                      None, messages if action == "replace" else None, None,
                      doc.get(SNAPSHOT_FIELD), first_id, fill=fill, create=create,
-                     usage=usage if action == "usage" else None, active_only=active_only)
+                     usage=usage if action == "usage" else None, active_only=active_only,
+                     compact=compact if action == "replace" else False, args=args)
+
+
+def _check_message_fields(args: Any) -> None:
+    """A ``fields`` record's arguments (see ``SessionOp.args``).
+
+    Raises:
+        TypeError, ValueError: they are not well formed.
+    """
+    if type(args) is not dict:
+        raise TypeError("the fields record's arguments are not an object")
+    mid, values, role = args.get("i"), args.get("f"), args.get("r")
+    if type(mid) is not int or not 0 < mid < 2**63:
+        raise TypeError("the fields record's message id is not a positive integer")
+    if role is not None and type(role) is not str:
+        raise TypeError("the fields record's role is not a string")
+    if type(values) is not dict or not values:
+        raise TypeError("the fields record's values are not a non-empty object")
+    for key in values:
+        if MESSAGE_FIELD_KEY.fullmatch(key) is None or key in MESSAGE_FIELD_COLUMNS:
+            raise ValueError(f"a message's field {key!r:.40} cannot be set")
+    # A lone surrogate (no UTF-8 store can hold one) raises UnicodeEncodeError.
+    json.dumps(args, ensure_ascii=False).encode("utf-8")
+
+
+def _parse_state(doc: Mapping[str, Any], payload: str, record_key: str, session_id: str,
+                 user_id: str | None, at: float, action: str) -> SessionOp:
+    """A ``meta`` or ``lock`` record (``parse_session``'s third part)."""
+    args = doc.get("a")
+    if type(args) is not dict:
+        raise TypeError(f"the {action} record's arguments are not an object")
+    if action == "meta":
+        key, value = args.get("k"), args.get("v")
+        if session_id != lane_of_meta():
+            raise ValueError("a meta record is not in the meta lane")
+        if type(key) is not str or not key or len(key) > MAX_META_KEY_CHARS:
+            raise TypeError("the meta key is not a non-empty string")
+        if value is not None and type(value) is not str:
+            raise TypeError("the meta value is not a string")
+        texts: list[Any] = [key, value]
+    else:
+        mode, holder, now, expires = args.get("m"), args.get("h"), args.get("n"), args.get("e")
+        if mode not in LOCK_MODES:
+            raise ValueError(f"unknown lock mode {mode!r:.20}")
+        if type(holder) is not str or not holder:
+            raise TypeError("the lock's holder is not a non-empty string")
+        if not _finite(now) or (mode != "release" and not _finite(expires)):
+            raise TypeError("the lock's times are not finite numbers")
+        texts = [holder]
+    if "\\u0000" in payload and _holds_nul(texts):
+        raise ValueError("the event holds U+0000 in a text column")
+    # A lone surrogate (no UTF-8 store can hold one) raises UnicodeEncodeError.
+    json.dumps(texts, ensure_ascii=False).encode("utf-8")
+    return SessionOp(record_key, session_id, user_id, at, action, {}, None, None, None,
+                     args=args)
 
 
 def _update_fields(value: Any) -> dict[str, Any]:
@@ -454,6 +567,10 @@ def _update_fields(value: Any) -> dict[str, Any]:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    return _number(value) and math.isfinite(value)
 
 
 def _holds_nul(*values: Any) -> bool:

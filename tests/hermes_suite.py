@@ -524,6 +524,34 @@ def summary(result: SuiteResult, expectations: Mapping[str, str] | None = None) 
     return "\n".join(lines)
 
 
+DOC_FILE = Path(__file__).resolve().parents[1] / "docs" / "hermes-state-suite.md"
+DOC_MARK = "## Tests that still fail, and why"
+
+
+def failing_tests_doc(expectations: dict[str, str]) -> str:
+    """The doc's last section: every listed test, by class, with its reason."""
+    by_class: dict[str, list[tuple[str, str]]] = {}
+    for node, reason in sorted(expectations.items()):
+        parts = node.split("::")
+        by_class.setdefault(parts[1] if len(parts) > 2 else "(module)", []).append(
+            (parts[-1], reason))
+    lines = [DOC_MARK, "",
+             f"{len(expectations)} of the file's tests fail against ours; each, and why "
+             "(generated from `tests/hermes_state_expectations.json`: `python -m "
+             "tests.hermes_suite --write-doc`).", ""]
+    for cls, tests in by_class.items():
+        lines += [f"### {cls}", ""]
+        lines += [f"- `{name}`: {reason}" for name, reason in tests]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_doc(path: Path = DOC_FILE) -> None:
+    text = path.read_text(encoding="utf-8")
+    head = text.split(DOC_MARK)[0].rstrip("\n")
+    path.write_text(head + "\n\n" + failing_tests_doc(load_expectations()), encoding="utf-8")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tests.hermes_suite",
@@ -537,7 +565,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--write-report", type=Path, metavar="PATH",
                         help="write every test id's outcome to PATH as JSON")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
+    parser.add_argument("--write-doc", action="store_true",
+                        help="rewrite docs/hermes-state-suite.md's list of failing tests from "
+                             "the expectations file, and stop")
     args = parser.parse_args(argv)
+    if args.write_doc:
+        write_doc()
+        return 0
 
     classes = list(SIX_CLASSES) if args.classes == "six" else None
     try:

@@ -63,3 +63,13 @@ def test_six_classes_against_ours() -> None:
 @pytest.mark.slow
 def test_whole_file_against_ours() -> None:
     _check_ours(None, "whole_file.json")
+
+
+def test_the_doc_lists_every_failing_test_with_its_reason() -> None:
+    """docs/hermes-state-suite.md says which of Hermes's tests fail against ours and why: the
+    list is the expectations file's, regenerated with ``--write-doc`` when that changes."""
+    doc = hs.DOC_FILE.read_text(encoding="utf-8")
+    section = doc[doc.index(hs.DOC_MARK):]
+    assert section.rstrip("\n") == hs.failing_tests_doc(
+        hs.load_expectations()).rstrip("\n"), (
+        "run python -m tests.hermes_suite --write-doc")

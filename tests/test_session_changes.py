@@ -181,3 +181,177 @@ async def test_a_deleted_or_pruned_parents_children_are_detached(mem: MemoryPipe
     await w.delete("c")
     await mem.flush()
     assert session(mem, "d")["parent_session_id"] is None
+
+
+def tool_hits(mem: MemoryPipeline, word: str) -> list[int]:
+    with sqlite3.connect(mem.settings.db_path) as conn:
+        return [r[0] for r in conn.execute(
+            "SELECT rowid FROM messages_tools WHERE messages_tools MATCH ? ORDER BY rowid",
+            (word,))]
+
+
+def index_intact(mem: MemoryPipeline, table: str) -> None:
+    with sqlite3.connect(mem.settings.db_path) as conn:  # raises when the index is corrupt
+        conn.execute(f"INSERT INTO {table} ({table}, rank) VALUES ('integrity-check', 0)")
+
+
+async def test_tool_names_and_calls_are_indexed_beside_the_text(mem: MemoryPipeline) -> None:
+    w = mem.sessions
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "web_search", "arguments": '{"q": "okapis"}'}}]
+    first = w.append_nowait("s", [
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "tool_name": "web_search", "content": "zoo"},
+        {"role": "user", "content": "no tools here"}], user_id="ann").first_id
+    assert first is not None
+    await mem.flush()
+    assert tool_hits(mem, "okapis") == [first]
+    assert tool_hits(mem, "web_search") == [first, first + 1]
+    assert tool_hits(mem, "tools") == []  # the text is the word index's, not this one's
+    assert "okapis" not in await mem.search("okapis", user_id="ann")  # recall: text only
+    # The session search finds a message by its text or its tool text, each once.
+    hits = await w.search("web_search", user_id="ann")
+    assert sorted(h.message_id for h in hits) == [first, first + 1]
+    assert [h.message_id for h in await w.search("okapis", user_id="ann")] == [first]
+    assert [h.message_id for h in await w.search("tools", user_id="ann")] == [first + 2]
+    assert [h.message_id for h in await w.search("web_search", user_id="ann", order="newest",
+                                         limit=1, offset=1)] == [first]
+    assert await w.search("okapis", user_id="bob") == []  # scoped, as the text is
+    # A replacement and a delete take their messages' entries along.
+    replaced = w.replace_messages_nowait("s", [
+        {"role": "tool", "tool_name": "calendar", "content": "busy"}], user_id="ann").first_id
+    await mem.flush()
+    assert tool_hits(mem, "web_search") == [] and tool_hits(mem, "calendar") == [replaced]
+    index_intact(mem, "messages_tools")
+    await w.delete("s")
+    await mem.flush()
+    assert tool_hits(mem, "calendar") == []
+    index_intact(mem, "messages_tools")
+
+
+async def test_compaction_sets_the_live_messages_aside(mem: MemoryPipeline) -> None:
+    w = mem.sessions
+    w.append_nowait("s", [{"role": "user", "content": "long ago"},
+                          {"role": "assistant", "content": "indeed"}])
+    w.replace_messages_nowait("s", [{"role": "user", "content": "summary"}], compact=True)
+    await mem.flush()
+    rows = await mem.get_messages("s")
+    assert [(r["content"], r["active"]) for r in rows] == [
+        ("long ago", 0), ("indeed", 0), ("summary", 1)]
+    assert row(mem.settings.db_path, "SELECT count(*) AS n FROM messages WHERE compacted = 1"
+               ) == {"n": 2}
+    assert session(mem, "s")["message_count"] == 1  # the live ones
+
+
+async def test_meta_is_set_replaced_and_removed_in_order(mem: MemoryPipeline) -> None:
+    w = mem.sessions
+    w.set_meta_nowait("last_auto_prune", "1")
+    w.set_meta_nowait("last_auto_prune", "2")
+    w.set_meta_nowait("other", "x")
+    w.set_meta_nowait("other", None)
+    await mem.flush()
+    assert await mem.store.meta_value("last_auto_prune") == "2"
+    assert await mem.store.meta_value("other") is None
+    for key, value, why in (("", "v", "non-empty"), ("k", 3, "must be a string"),
+                            ("k", "a\x00b", "NUL"), ("k", "\ud835", "surrogate")):
+        with pytest.raises(InvalidSessionError, match=why):
+            w.set_meta_nowait(key, value)  # type: ignore[arg-type]
+
+
+async def test_compression_lock_is_one_holders_lease(mem: MemoryPipeline) -> None:
+    w = mem.sessions
+    assert await w.compression_lock("s", "a", ttl_s=10, now=1000.0)
+    assert await w.compression_lock("s", "a", ttl_s=10, now=1001.0)  # still a's
+    assert not await w.compression_lock("s", "b", ttl_s=10, now=1005.0)
+    assert await w.compression_lock("s", "a", "refresh", ttl_s=10, now=1005.0)
+    assert await mem.store.compression_lock("s") == ("a", 1015.0)
+    assert not await w.compression_lock("s", "b", "refresh", ttl_s=10, now=1006.0)
+    assert not await w.compression_lock("s", "a", "refresh", ttl_s=10, now=1016.0)  # ended
+    assert await w.compression_lock("s", "b", ttl_s=10, now=1016.0)  # an ended lease goes
+    assert await w.compression_lock("s", "a", "release", now=1017.0)  # not a's: nothing
+    assert await mem.store.compression_lock("s") == ("b", 1026.0)
+    assert await w.compression_lock("s", "b", "release", now=1017.0)
+    assert await mem.store.compression_lock("s") is None
+    with pytest.raises(InvalidSessionError, match="mode"):
+        w.compression_lock_nowait("s", "a", "steal")
+
+
+async def test_a_filtered_prune_picks_by_the_filters_and_keeps_what_changed(
+        mem: MemoryPipeline) -> None:
+    from hermes_async_memory.store import SessionFilter
+    w = mem.sessions
+    for sid, title, model in (("a", "Smoke test", "gpt-5"), ("b", "smoke 2", "sonnet"),
+                              ("c", "real work", "gpt-5"), ("d", "smoke, open", "gpt-5")):
+        w.update_nowait(sid, create=True, fields={"title": title, "model": model})
+        if sid != "d":
+            w.end_nowait(sid, "done")
+    await mem.flush()
+    result = await w.prune(None, where=SessionFilter(title_like="SMOKE", model_like="gpt"))
+    assert (result.cutoff, result.candidates, result.deleted) == (None, ("a",), ("a",))
+    # Picked, then changed before its delete commits: it stays.
+    picked = await mem.store.prunable_sessions(None, None, where=SessionFilter(
+        title_like="smoke"))
+    assert [sid for sid, _ in picked] == ["b"]
+    w.update_nowait("b", fields={"archived": 1})
+    w._accept("b", None, "delete", unchanged_before=0.0)  # picked before its last change
+    await mem.flush()
+    assert session(mem, "b")["archived"] == 1
+    assert (await w.prune(None, where=SessionFilter(archived=False))).deleted == ("c",)
+    assert session(mem, "d")["ended_at"] is None  # never an open session
+    with pytest.raises(TypeError, match="unknown session filter"):
+        SessionFilter.of(bogus=1)
+    with pytest.raises(TypeError, match="mistyped"):
+        SessionFilter.of(min_messages="3")
+
+
+async def test_a_messages_fields_are_set_where_it_is_still_the_one(mem: MemoryPipeline) -> None:
+    w = mem.sessions
+    first = w.append_nowait("s", [{"role": "user", "content": "hi", "finish_reason": "x"},
+                                  {"role": "user", "content": "again"}]).first_id
+    assert first is not None
+    w.set_message_fields_nowait("s", first + 1, {"api_content": "hi + recalled"},
+                                only_if_latest="user")
+    w.set_message_fields_nowait("s", first, {"api_content": "stale"},
+                                only_if_latest="user")  # no longer the newest: nothing
+    w.set_message_fields_nowait("s", first, {"finish_reason": None, "effect": [1, "é"]})
+    w.set_message_fields_nowait("other", first, {"api_content": "not its session"})
+    await mem.flush()
+    rows = {r["id"]: r["message"] for r in await mem.get_messages("s")}
+    assert rows[first + 1] == {"role": "user", "content": "again",
+                               "api_content": "hi + recalled"}
+    assert rows[first] == {"role": "user", "content": "hi", "effect": [1, "é"]}
+    assert row(mem.settings.db_path, "SELECT api_content FROM messages WHERE id = ?",
+               first + 1) == {"api_content": "hi + recalled"}  # the generated column follows
+    for values, why in (({"content": "x"}, "cannot be set"), ({"a b": 1}, "cannot be set"),
+                        ({"x": "\ud835"}, "storable"), ({}, "non-empty")):
+        with pytest.raises(InvalidSessionError, match=why):
+            w.set_message_fields_nowait("s", first, values)
+
+
+async def test_an_update_fills_the_sessions_user_and_never_replaces_it(
+        mem: MemoryPipeline) -> None:
+    w = mem.sessions
+    w.update_nowait("s", create=True)
+    w.update_nowait("s", user_id="ann", fields={"chat_id": "c1"})
+    w.update_nowait("s", user_id="bob", fields={"chat_id": "c2"})
+    await mem.flush()
+    assert (session(mem, "s")["user_id"], session(mem, "s")["chat_id"]) == ("ann", "c2")
+
+
+async def test_messages_are_set_aside_from_an_id_and_taken_back(mem: MemoryPipeline) -> None:
+    w = mem.sessions
+    first = w.append_nowait("s", [{"role": "user", "content": f"m{i}"} for i in range(4)]
+                            ).first_id
+    assert first is not None
+    w.set_active_nowait("s", first + 2, False, rewind=True)
+    w.set_active_nowait("s", first + 2, False, rewind=True)  # again: only counted
+    await mem.flush()
+    rows = await mem.get_messages("s")
+    assert [r["active"] for r in rows] == [1, 1, 0, 0]
+    assert session(mem, "s")["rewind_count"] == 2
+    assert [h.message_id for h in await w.search("m3", session_id="s")] == [first + 3]
+    w.set_active_nowait("s", first + 3, True)
+    await mem.flush()
+    assert [r["active"] for r in await mem.get_messages("s")] == [1, 1, 0, 1]
+    with pytest.raises(InvalidSessionError, match="integer"):
+        w.set_active_nowait("s", -1, True)

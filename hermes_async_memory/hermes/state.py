@@ -17,9 +17,22 @@ What differs from Hermes's own, by design (README, "Hermes's session store"):
   so ``_conn`` reads as Hermes's code expects) and our memory beside them. Hermes's own
   ``state.db`` is refused, untouched; ``hermes-memory sessions import`` brings its sessions
   over.
-- Messages keep every key they were given (``turns.message_row``).
+- Messages keep every key they were given (``turns.message_row``); a lone surrogate in their
+  text (content, tool name, reasoning, api_content) is stored as U+FFFD, as Hermes does.
+- A message's tool name and tool calls are searched in an index of their own beside the
+  text's (Hermes indexes the three as one text): a query matches within either.
+- Writes that decide something (a compression lock) wait for their record to commit and
+  read the outcome; bulk deletes (prune, empty sessions) pick their sessions, then each
+  delete checks at commit that nothing changed the session since.
+- Titles are unique where they are set (``set_session_title``), with no unique index a
+  commit could fail on. No foreign keys: a delete handles its session's messages and
+  children itself. The full-text indexes merge as FTS5's automerge does; no write path
+  runs ``optimize_fts`` on a cadence.
 - SQLite must have FTS5 (every store of ours indexes its messages with it).
 - One process commits a store; several processes share one through ``hermes-memory worker``.
+- Not here: Hermes's Telegram topic bindings, gateway routing index and handoff state
+  machine, its WAL helper (``apply_wal_with_fallback``) and its private write hook
+  (``_execute_write``).
 """
 
 from __future__ import annotations
@@ -38,10 +51,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import HermesMemoryError, StoreError
+from ..errors import ConfigurationError, HermesMemoryError, StoreError
 from ..settings import Settings
 from ..store import hermes_reads as reads
 from ..store.connections import check_store_file
+from ..store.session_filters import SessionFilter
 from ..turns import Receipt, sanitize
 from . import runtime as runtimes
 from .config import DEFAULT_DB, default_hermes_home
@@ -126,12 +140,19 @@ class SessionDB:
         try:
             check_store_file(self.db_path)
             if read_only:
-                self._raw = _connect(f"file:{self.db_path}?mode=ro", uri=True)
+                self._raw = _connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30.0)
                 return
             self.db_path.parent.mkdir(parents=True, exist_ok=True)
             settings = Settings.from_env(db_path=self.db_path)
+            if settings.role == "producer":
+                # A producer's writes are committed by a worker, later: its ids are not known
+                # at acknowledgement, and its reads could not see its own writes.
+                raise ConfigurationError(
+                    "Hermes's session store runs in the process that commits the store "
+                    "(role embedded or worker), not as a producer")
             self._runtime = runtimes.acquire(settings, contextvars.copy_context())
-            self._raw = _connect(str(self.db_path))
+            # Its reads wait for a lock as Hermes's do (a checkpoint, another process's write).
+            self._raw = _connect(str(self.db_path), timeout=30.0)
             self._trigram_available = reads.table_exists(self._raw, "messages_fts_trigram")
         except Exception as exc:
             _set_last_init_error(f"{type(exc).__name__}: {exc}")
@@ -384,15 +405,27 @@ class SessionDB:
         return self._set_title(session_id, title, only_if_empty=True)
 
     def _set_title(self, session_id: str, title: str, *, only_if_empty: bool) -> bool:
+        """Set the title (``only_if_empty``: only while the session has none, checked again
+        at commit). A title held by a session this one continues by compression (hidden
+        behind it in the lists) moves to this one; held by any other session, it is
+        refused."""
         cleaned = self.sanitize_title(title)
         with self._reading() as conn:
             row = reads.session_row(conn, session_id)
             holder = reads.title_holder(conn, cleaned, session_id) if cleaned else None
+            moves = holder is not None and reads.compression_ancestor(conn, holder, session_id)
         if row is None or (only_if_empty and row["title"] is not None):
             return False
-        if holder is not None:
+        if holder is not None and not moves:
             raise ValueError(f"Title '{cleaned}' is already in use by session {holder}")
-        self._set(session_id, title=cleaned)
+        writes = self._writes()
+        if holder is not None:
+            writes.update_nowait(holder, fields={"title": None})
+        if only_if_empty:
+            if cleaned is not None:
+                writes.update_nowait(session_id, fill={"title": cleaned})
+        else:
+            self._set(session_id, title=cleaned)
         return True
 
     def get_session_title(self, session_id: str) -> str | None:
@@ -412,33 +445,452 @@ class SessionDB:
                       min_message_count: int = 0, include_archived: bool = False,
                       archived_only: bool = False, exclude_children: bool = False,
                       exclude_sources: Sequence[str] | None = None) -> int:
-        where: list[str] = []
-        params: list[Any] = []
-        if exclude_children:
-            where.append("s.parent_session_id IS NULL")
-        if source:
-            where.append("s.source = ?")
-            params.append(source)
-        if exclude_sources:
-            where.append(f"s.source NOT IN ({','.join('?' * len(exclude_sources))})")
-            params.extend(exclude_sources)
-        if cwd_prefix:
-            clause, values = reads.cwd_prefix(cwd_prefix)
-            where.append(clause)
-            params.extend(values)
-        if min_message_count > 0:
-            where.append("s.message_count >= ?")
-            params.append(min_message_count)
-        if archived_only:
-            where.append("s.archived = 1")
-        elif not include_archived:
-            where.append("s.archived = 0")
+        """How many sessions; with ``exclude_children``, how many ``list_sessions_rich``
+        lists (roots and branches, no subagent's run, no compression continuation)."""
+        where, params = reads.listing_where(
+            source=source, exclude_sources=exclude_sources, cwd=cwd_prefix,
+            min_message_count=min_message_count, include_archived=include_archived,
+            archived_only=archived_only, listable_only=exclude_children)
         with self._reading() as conn:
             return reads.count_sessions(conn, where, params)
 
     def message_count(self, session_id: str | None = None) -> int:
         with self._reading() as conn:
             return reads.count_messages(conn, session_id)
+
+    # -- listings ------------------------------------------------------------------------
+
+    def list_sessions_rich(
+        self, source: str | None = None, exclude_sources: Sequence[str] | None = None,
+        cwd_prefix: str | None = None, limit: int = 20, offset: int = 0,
+        include_children: bool = False, min_message_count: int = 0,
+        project_compression_tips: bool = True, order_by_last_active: bool = False,
+        include_archived: bool = False, archived_only: bool = False,
+        id_query: str | None = None, search_query: str | None = None,
+        compact_rows: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Sessions as Hermes's pickers list them, newest first (or, with
+        ``order_by_last_active``, by the latest activity in each one's compression chain):
+        every column (``compact_rows``: but the system prompt), ``preview`` (the first user
+        message, 60 characters) and ``last_active``. Roots and branches only, unless
+        ``include_children``; a compressed conversation shows as its live tip in its root's
+        place (``_lineage_root_id``), unless ``project_compression_tips`` is False.
+        ``id_query`` / ``search_query`` (with ``order_by_last_active``): only conversations
+        with an id (or a title) holding that text anywhere in their chain."""
+        where, params = reads.listing_where(
+            source=source, exclude_sources=exclude_sources, cwd=cwd_prefix,
+            min_message_count=min_message_count, include_archived=include_archived,
+            archived_only=archived_only, listable_only=not include_children)
+        with self._reading() as conn:
+            rows = reads.rich_sessions(
+                conn, where=where, params=params, limit=limit, offset=offset,
+                compact=compact_rows, order_by_last_active=order_by_last_active,
+                id_needle=(id_query or "").strip().lower(),
+                search_needle=(search_query or "").strip().lower())
+            if project_compression_tips and not include_children:
+                rows = [_projected(conn, row, compact_rows) for row in rows]
+        return rows
+
+    def _get_session_rich_row(self, session_id: str, compact_rows: bool = False
+                              ) -> dict[str, Any] | None:
+        """One session as ``list_sessions_rich`` gives it (not projected); None."""
+        with self._reading() as conn:
+            return reads.rich_session(conn, session_id, compact=compact_rows)
+
+    def get_compression_tip(self, session_id: str) -> str | None:
+        """The live end of the session's compression chain (itself when it has none)."""
+        with self._reading() as conn:
+            return reads.compression_tip(conn, session_id)
+
+    def list_cron_job_runs(self, job_id: str, limit: int = 20, offset: int = 0
+                           ) -> list[dict[str, Any]]:
+        """The run sessions of one cron job (``cron_<job_id>_...``), newest first, with
+        ``preview`` and ``last_active``."""
+        with self._reading() as conn:
+            return reads.cron_runs(conn, job_id, limit, offset)
+
+    def search_sessions(self, source: str | None = None, limit: int = 20, offset: int = 0
+                        ) -> list[dict[str, Any]]:
+        """Sessions (of ``source``), the most recently active first, with ``last_active``."""
+        with self._reading() as conn:
+            return reads.last_active_sessions(conn, source, limit, offset)
+
+    def search_sessions_by_id(self, query: str, limit: int = 20,
+                              include_archived: bool = True) -> list[dict[str, Any]]:
+        """Listed conversations whose id (or a compressed root's id) holds ``query``, case
+        aside: an exact id first, then those it begins, then the others, each by activity."""
+        needle = (query or "").strip().lower()
+        if not needle or limit <= 0:
+            return []
+        found = self.list_sessions_rich(limit=limit * 4, include_archived=include_archived,
+                                        order_by_last_active=True, id_query=needle)
+
+        def rank(row: Mapping[str, Any]) -> int:
+            ids = [str(v).lower() for v in (row.get("id"), row.get("_lineage_root_id")) if v]
+            if needle in ids:
+                return 0
+            return 1 if any(i.startswith(needle) for i in ids) else 2
+
+        return [row for _, row in sorted(enumerate(found), key=lambda e: (rank(e[1]), e[0]))
+                ][:limit]
+
+    def resolve_session_by_title(self, title: str) -> str | None:
+        """The session a title names: the latest started of its numbered continuations
+        (``title #N``) when there are any, else the session with exactly that title."""
+        with self._reading() as conn:
+            numbered = reads.numbered_titles(conn, title)
+            if numbered:
+                return numbered[0][0]
+            holder = reads.title_holder(conn, title, "")
+        return holder
+
+    def get_next_title_in_lineage(self, base_title: str) -> str:
+        """The next title of a lineage: ``base`` while no session has it, else ``base #N``
+        one above the highest number in use (the unnumbered title counts as #1); a
+        number on ``base_title`` is left off first."""
+        match = re.match(r"^(.*?) #(\d+)$", base_title)
+        base = match.group(1) if match else base_title
+        with self._reading() as conn:
+            titles = reads.lineage_titles(conn, base)
+        if not titles:
+            return base
+        highest = 1
+        for used in titles:
+            numbered = re.match(r"^.* #(\d+)$", used)
+            if numbered:
+                highest = max(highest, int(numbered.group(1)))
+        return f"{base} #{highest + 1}"
+
+    # -- archive, bulk delete, prune -------------------------------------------------------
+
+    def set_session_archived(self, session_id: str, archived: bool) -> bool:
+        """Archive (hide from the default lists, keeping everything) or unarchive the
+        session with its whole compression lineage; False when there is no such session."""
+        with self._reading() as conn:
+            lineage = reads.compression_lineage_ids(conn, session_id)
+        writes = self._writes()
+        for sid in lineage:
+            writes.update_nowait(sid, fields={"archived": 1 if archived else 0})
+        return bool(lineage)
+
+    def list_prune_candidates(self, older_than_days: float | None = None,
+                              source: str | None = None, **filters: Any
+                              ) -> list[dict[str, Any]]:
+        """The sessions ``prune_sessions`` (or ``archive_sessions``) with these filters
+        would take, oldest first; nothing changes.
+
+        Raises:
+            TypeError: an unknown filter, or a value of the wrong type.
+        """
+        where = _prune_filter(older_than_days, source, filters)
+        with self._reading() as conn:
+            return reads.prune_candidates(conn, where)
+
+    def archive_sessions(self, older_than_days: float | None = None,
+                         source: str | None = None, **filters: Any) -> int:
+        """Archive every session the filters pick (not yet archived ones, unless
+        ``archived`` says otherwise), each with its compression lineage; returns how many
+        were picked."""
+        filters.setdefault("archived", False)
+        picked = self.list_prune_candidates(older_than_days, source, **filters)
+        for row in picked:
+            self.set_session_archived(row["id"], True)
+        return len(picked)
+
+    def delete_sessions(self, session_ids: Sequence[str], sessions_dir: Path | None = None
+                        ) -> int:
+        """Delete the listed sessions that exist (anything but a non-empty string is left
+        out; each id once), each as ``delete_session`` does; returns how many existed."""
+        ids = reads.unique(session_ids or ())
+        if not ids:
+            return 0
+        with self._reading() as conn:
+            existing = reads.existing_sessions(conn, ids)
+            delegates = reads.delegate_children(conn, existing)
+        self._delete(delegates + existing, sessions_dir)
+        return len(existing)
+
+    def count_empty_sessions(self) -> int:
+        """How many sessions ``delete_empty_sessions`` would delete: ended, not archived,
+        without messages."""
+        with self._reading() as conn:
+            return reads.count_picked(conn, _EMPTY)
+
+    def delete_empty_sessions(self, sessions_dir: Path | None = None) -> int:
+        """Delete the ended, unarchived sessions without messages (their children stay,
+        without a parent); each delete checks when it commits that nothing changed the
+        session since. Returns how many went."""
+        return self._prune(_EMPTY, sessions_dir)
+
+    def _prune(self, where: SessionFilter, sessions_dir: Path | None) -> int:
+        self._settle()
+        runtime = self._runtime
+        if runtime is None:
+            raise StoreError(f"the session store {self.db_path} is closed")
+        result = runtime.call(lambda p: p.sessions.prune(None, where=where,
+                                                         timeout_s=WRITE_WAIT_S),
+                              WRITE_WAIT_S + 1.0)
+        for sid in result.deleted:
+            self._users.pop(sid, None)
+            _remove_session_files(sessions_dir, sid)
+        return len(result.deleted)
+
+    def _delete(self, session_ids: Sequence[str], sessions_dir: Path | None) -> None:
+        writes = self._writes()
+        for sid in session_ids:
+            writes.delete_nowait(sid)
+            self._users.pop(sid, None)
+            _remove_session_files(sessions_dir, sid)
+
+    # -- Hermes's own state, maintenance ---------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        """A value of Hermes's key-value state (``state_meta``); None when unset."""
+        with self._reading() as conn:
+            return reads.meta_value(conn, key)
+
+    def set_meta(self, key: str, value: str) -> None:
+        """Set a value of Hermes's key-value state (durable when this returns)."""
+        self._writes().set_meta_nowait(key, value if value is None or isinstance(value, str)
+                                       else str(value))
+
+    def optimize_fts(self) -> int:
+        """Merge the messages' full-text indexes into one segment each (layout only: what a
+        search finds is unchanged). Returns how many of Hermes's two indexes that merged:
+        the word index (which ours keeps as its text and its tool text, merged together)
+        and, when this SQLite has it, the trigram index."""
+        merged = self._maintain(lambda p: p.store.optimize_text_indexes())
+        return len({"messages_fts" if name == "messages_tools" else name for name in merged})
+
+    def vacuum(self) -> int:
+        """Merge the full-text indexes (``optimize_fts``), then rewrite the store file to
+        give back the space deletes left (VACUUM; commits wait meanwhile, and go on after).
+        Returns ``optimize_fts``'s count."""
+        merged = 0
+        try:
+            merged = self.optimize_fts()
+        except (HermesMemoryError, sqlite3.Error) as exc:
+            logger.warning("merging the full-text indexes before VACUUM failed: %s", exc)
+        self._maintain(lambda p: p.store.vacuum())
+        return merged
+
+    def _maintain(self, job: Any) -> Any:
+        """Run a maintenance job of the store (on its own connection) once every write
+        accepted so far is committed."""
+        self._settle()
+        runtime = self._runtime
+        if runtime is None:
+            raise StoreError(f"the session store {self.db_path} is "
+                             f"{'read-only' if self.read_only else 'closed'}")
+        return runtime.call(job, WRITE_WAIT_S)
+
+    def maybe_auto_prune_and_vacuum(self, retention_days: int = 90,
+                                    min_interval_hours: int = 24, vacuum: bool = True,
+                                    sessions_dir: Path | None = None) -> dict[str, Any]:
+        """Hermes's start-up upkeep, at most once per ``min_interval_hours`` (the last run's
+        time is kept in ``state_meta``): prune the ended sessions that started more than
+        ``retention_days`` ago, and VACUUM when some went (``vacuum``). Never raises:
+        ``{"skipped", "pruned", "vacuumed"}``, with ``"error"`` when something failed."""
+        result: dict[str, Any] = {"skipped": False, "pruned": 0, "vacuumed": False}
+        try:
+            now = time.time()
+            last = self.get_meta("last_auto_prune")
+            try:
+                if last and now - float(last) < min_interval_hours * 3600:
+                    result["skipped"] = True
+                    return result
+            except ValueError:
+                pass  # an unreadable mark: as if it never ran
+            result["pruned"] = self.prune_sessions(older_than_days=retention_days,
+                                                   sessions_dir=sessions_dir)
+            if vacuum and result["pruned"] > 0:
+                try:
+                    self.vacuum()
+                    result["vacuumed"] = True
+                except (HermesMemoryError, sqlite3.Error) as exc:
+                    logger.warning("VACUUM of %s failed: %s", self.db_path, exc)
+            self.set_meta("last_auto_prune", str(now))
+            if result["pruned"]:
+                logger.info("session store upkeep: pruned %d session(s) older than %d days%s",
+                            result["pruned"], retention_days,
+                            " and vacuumed" if result["vacuumed"] else "")
+        except Exception as exc:  # upkeep never stops a start-up
+            logger.warning("session store upkeep failed: %s", exc)
+            result["error"] = str(exc)
+        return result
+
+    @staticmethod
+    def _parse_schema_columns(schema_sql: str) -> dict[str, dict[str, str]]:
+        """The columns each ``CREATE TABLE`` of ``schema_sql`` declares: {table: {column:
+        its declaration}} (table constraints left out)."""
+        tables: dict[str, dict[str, str]] = {}
+        for match in re.finditer(r"CREATE\s+TABLE\s+(?:IF\s+NOT\s+EXISTS\s+)?[\"`]?(\w+)[\"`]?"
+                                 r"\s*\((.*?)\)\s*;", schema_sql, re.IGNORECASE | re.DOTALL):
+            columns: dict[str, str] = {}
+            for part in _top_level_parts(match.group(2)):
+                words = part.split(None, 1)
+                if not words or words[0].upper() in _TABLE_CONSTRAINTS:
+                    continue
+                columns[words[0].strip('"`')] = words[1] if len(words) > 1 else ""
+            tables[match.group(1)] = columns
+        return tables
+
+    # -- gateway bookkeeping ---------------------------------------------------------------
+
+    def record_gateway_session_peer(
+        self, session_id: str, *, source: str, user_id: str | None = None,
+        session_key: str | None = None, chat_id: str | None = None,
+        chat_type: str | None = None, thread_id: str | None = None,
+        display_name: str | None = None, origin_json: str | None = None,
+    ) -> None:
+        """Keep the gateway's routing peer on the session's row: its routing key, source,
+        chat, chat type and thread; its display name and origin (JSON) when given (None
+        leaves what is stored). The user fills the row's when it has none: ours is the
+        scope its messages were stored under, which a later peer does not move."""
+        if not session_id or not session_key:
+            return
+        fields: dict[str, Any] = {"session_key": session_key, "source": source,
+                                  "chat_id": chat_id, "chat_type": chat_type,
+                                  "thread_id": thread_id}
+        if display_name is not None:
+            fields["display_name"] = display_name
+        if origin_json is not None:
+            fields["origin_json"] = origin_json
+        self._writes().update_nowait(session_id, user_id=user_id, fields=fields)
+
+    def set_expiry_finalized(self, session_id: str, finalized: bool = True) -> None:
+        """Mark (or unmark) the gateway session's expiry as finalized."""
+        if session_id:
+            self._set(session_id, expiry_finalized=1 if finalized else 0)
+
+    def list_gateway_sessions(self, *, platform: str | None = None, active_only: bool = True
+                              ) -> list[dict[str, Any]]:
+        """The gateway's sessions (those with a routing key): the latest started one per
+        key, with ``last_active``, the most recently active first; of ``platform`` (its
+        source, case aside), not ended ones only with ``active_only``."""
+        with self._reading() as conn:
+            return reads.gateway_sessions(conn, platform, active_only)
+
+    def find_session_by_origin(self, *, platform: str, chat_id: str,
+                               thread_id: str | None = None, user_id: str | None = None
+                               ) -> str | None:
+        """The latest live gateway session of a chat (and thread): the one of ``user_id``
+        when there is one; else the only one, or the latest when they all have one user;
+        None when several users share the chat (never another participant's session)."""
+        if not platform or chat_id in (None, ""):
+            return None
+        with self._reading() as conn:
+            rows = reads.origin_sessions(conn, platform, str(chat_id),
+                                         None if thread_id is None else str(thread_id))
+        if not rows:
+            return None
+        if user_id:
+            mine = [r for r in rows if str(r.get("user_id") or "") == str(user_id)]
+            if mine:
+                return str(mine[0]["id"])
+            if len(rows) > 1:
+                return None
+        elif len({str(r.get("user_id") or "").strip() for r in rows} - {""}) > 1:
+            return None
+        return str(rows[0]["id"])
+
+    def find_latest_gateway_session_for_peer(
+        self, *, source: str, user_id: str | None = None, session_key: str | None = None,
+        chat_id: str | None = None, chat_type: str | None = None,
+        thread_id: str | None = None,
+    ) -> dict[str, Any] | None:
+        """The latest gateway session of a routing key its peer may resume: live, or ended
+        only by a cleanup Hermes counts as a mistake (agent_close, ws_orphan_reap), with
+        messages; failing that, with the whole peer given, the same for that peer."""
+        if not session_key:
+            return None
+        with self._reading() as conn:
+            return reads.peer_session(conn, source=source, session_key=session_key,
+                                      user_id=user_id, chat_id=chat_id, chat_type=chat_type,
+                                      thread_id=thread_id)
+
+    # -- compression bookkeeping -------------------------------------------------------------
+
+    def record_compression_failure_cooldown(self, session_id: str, cooldown_until: float,
+                                            error: str | None = None) -> None:
+        """Keep the session's compression cooldown (until when, and why)."""
+        if session_id:
+            self._set(session_id, compression_failure_cooldown_until=float(cooldown_until),
+                      compression_failure_error=error)
+
+    def get_compression_failure_cooldown(self, session_id: str) -> dict[str, Any] | None:
+        """The session's compression cooldown while it lasts: ``cooldown_until``,
+        ``remaining_seconds`` and ``error``; None when there is none (or it is over)."""
+        if not session_id:
+            return None
+        now = time.time()
+        row = self.get_session(session_id)
+        until = None if row is None else row["compression_failure_cooldown_until"]
+        if until is None or float(until) <= now:
+            return None
+        return {"cooldown_until": float(until), "remaining_seconds": float(until) - now,
+                "error": row["compression_failure_error"] if row else None}
+
+    def clear_compression_failure_cooldown(self, session_id: str) -> None:
+        if session_id:
+            self._set(session_id, compression_failure_cooldown_until=None,
+                      compression_failure_error=None)
+
+    def get_compression_fallback_streak(self, session_id: str) -> int:
+        """How many compressions in a row fell back to the deterministic summary."""
+        row = self.get_session(session_id) if session_id else None
+        try:
+            return max(0, int((row or {}).get("compression_fallback_streak") or 0))
+        except (TypeError, ValueError):
+            return 0
+
+    def set_compression_fallback_streak(self, session_id: str, streak: int) -> None:
+        if session_id:
+            self._set(session_id, compression_fallback_streak=max(0, int(streak)))
+
+    def try_acquire_compression_lock(self, session_id: str, holder: str,
+                                     ttl_seconds: float = 300.0) -> bool:
+        """Take the session's compression lock for ``holder`` until ``ttl_seconds`` from now
+        (a lease that ended is taken over): True when ``holder`` has it, once its record
+        committed; False when another holder has it, or the lock could not be decided."""
+        return self._lock_call(session_id, holder, "acquire", ttl_seconds)
+
+    def refresh_compression_lock(self, session_id: str, holder: str,
+                                 ttl_seconds: float = 300.0) -> bool:
+        """Extend ``holder``'s lease to ``ttl_seconds`` from now, if it still holds it."""
+        return self._lock_call(session_id, holder, "refresh", ttl_seconds)
+
+    def release_compression_lock(self, session_id: str, holder: str) -> None:
+        """Give the lock up, if ``holder`` still has it (durable when this returns)."""
+        if session_id and holder:
+            try:
+                self._writes().compression_lock_nowait(session_id, holder, "release")
+            except HermesMemoryError as exc:
+                logger.warning("releasing the compression lock of %s failed: %s",
+                               session_id, exc)
+
+    def get_compression_lock_holder(self, session_id: str) -> str | None:
+        """Who holds the session's compression lock now (a lease not ended); None."""
+        if not session_id:
+            return None
+        with self._reading() as conn:
+            held = reads.compression_lock(conn, session_id)
+        return held[0] if held is not None and held[1] >= time.time() else None
+
+    def _lock_call(self, session_id: str, holder: str, mode: str, ttl_s: float) -> bool:
+        if not session_id or not holder:
+            return False
+        runtime = self._runtime
+        now = time.time()
+        try:
+            if runtime is None:
+                raise StoreError(f"the session store {self.db_path} is closed")
+            return bool(runtime.call(lambda p: p.sessions.compression_lock(
+                session_id, holder, mode, ttl_s=float(ttl_s), now=now,
+                timeout_s=READ_WAIT_S), READ_WAIT_S + 1.0))
+        except (HermesMemoryError, TimeoutError) as exc:
+            logger.warning("the compression lock of %s (%s) failed: %s", session_id, mode, exc)
+            return False
 
     # -- messages ------------------------------------------------------------------------
 
@@ -452,7 +904,9 @@ class SessionDB:
         effect_disposition: str | None = None, timestamp: Any = None,
         api_content: str | None = None,
     ) -> int:
-        """Append a message; returns its id (durable, and given, when this returns)."""
+        """Append a message; returns its id (durable, and given, when this returns). A lone
+        surrogate in its text (content, tool name, reasoning, api_content) is stored as
+        U+FFFD, as Hermes stores it."""
         message: dict[str, Any] = {"role": role, "content": content}
         for key, value in (("tool_name", tool_name), ("tool_call_id", tool_call_id),
                            ("token_count", token_count), ("finish_reason", finish_reason),
@@ -472,22 +926,99 @@ class SessionDB:
         stamp = _timestamp(timestamp)
         if stamp is not None:
             message["timestamp"] = stamp
-        receipt = self._writes().append_nowait(session_id, [message],
+        receipt = self._writes().append_nowait(session_id, [_scrubbed(message)],
                                                user_id=self._user(session_id))
         return _first_id(receipt)
 
     def replace_messages(self, session_id: str, messages: Sequence[Mapping[str, Any]],
                          active_only: bool = False) -> None:
-        """Replace the session's messages (only its active ones, ``active_only``), at once."""
+        """Replace the session's messages (only its active ones, ``active_only``), at once
+        (lone surrogates in their text as ``append_message`` stores them)."""
         self._writes().replace_messages_nowait(
-            session_id, [_hermes_message(m) for m in messages],
+            session_id, [_scrubbed(_hermes_message(m)) for m in messages],
             user_id=self._user(session_id), active_only=active_only)
+
+    def archive_and_compact(self, session_id: str,
+                            compacted_messages: Sequence[Mapping[str, Any]]) -> int:
+        """Compact the session in place: its active messages stay on file, set aside as
+        compacted (found by ``search_messages``, not loaded as the live conversation), and
+        ``compacted_messages`` become its active ones, at once. Returns how many are
+        active now."""
+        messages = [_scrubbed(_hermes_message(m)) for m in compacted_messages]
+        self._writes().replace_messages_nowait(session_id, messages,
+                                               user_id=self._user(session_id), compact=True)
+        return len(messages)
+
+    def has_archived_messages(self, session_id: str) -> bool:
+        """Whether the session has messages set aside (compacted or rewound)."""
+        with self._reading() as conn:
+            return reads.has_inactive_messages(conn, session_id)
+
+    def set_latest_user_api_content(self, session_id: str, content: Any,
+                                    api_content: str) -> int:
+        """Put ``api_content`` (what was sent to the model for it) on the session's newest
+        active user message, if its content is ``content``; returns how many messages were
+        changed (0 or 1). The write checks when it commits that the message is still the
+        newest active user message."""
+        with self._reading() as conn:
+            latest = reads.latest_user_message(conn, session_id)
+        if latest is None or latest["content"] != content:
+            return 0
+        self._writes().set_message_fields_nowait(
+            session_id, latest["id"], {"api_content": _scrub(api_content)},
+            only_if_latest="user")
+        return 1
 
     def get_messages(self, session_id: str, include_inactive: bool = False,
                      limit: int | None = None, offset: int = 0) -> list[dict[str, Any]]:
         with self._reading() as conn:
             return reads.message_rows(conn, session_id, include_inactive=include_inactive,
                                       limit=limit, offset=offset)
+
+    def rewind_to_message(self, session_id: str, target_message_id: int) -> dict[str, Any]:
+        """Set aside (``/rewind``) the session's messages from ``target_message_id`` on, the
+        target included (a user message: the caller offers it as the next prompt); they stay
+        stored, for ``get_messages(include_inactive=True)`` and ``restore_rewound``. Counts a
+        rewind on the session every time. Returns ``rewound_count`` (how many were active),
+        ``target_message`` (its row) and ``new_head_id`` (the last message left active).
+
+        Raises:
+            ValueError: no such message in the session, or not a user message.
+        """
+        with self._reading() as conn:
+            target = reads.message_row(conn, session_id, target_message_id)
+            if target is None:
+                raise ValueError(f"message {target_message_id} not found in session "
+                                 f"{session_id}")
+            if target["role"] != "user":
+                raise ValueError(f"rewind target must be a 'user' message (got role="
+                                 f"{target['role']!r}, id={target_message_id})")
+            rewound = reads.message_ids(conn, session_id, target_message_id, active=True)
+            head = reads.last_active_id(conn, session_id, before=target_message_id)
+        self._writes().set_active_nowait(session_id, target_message_id, False, rewind=True)
+        return {"rewound_count": len(rewound), "target_message": target, "new_head_id": head}
+
+    def restore_rewound(self, session_id: str, since_message_id: int) -> int:
+        """Take back the session's messages set aside from ``since_message_id`` on (undo
+        of a rewind); returns how many there were."""
+        with self._reading() as conn:
+            restored = reads.message_ids(conn, session_id, since_message_id, active=False)
+        if restored:
+            self._writes().set_active_nowait(session_id, since_message_id, True)
+        return len(restored)
+
+    def list_recent_user_messages(self, session_id: str, limit: int = 20,
+                                  include_inactive: bool = False) -> list[dict[str, Any]]:
+        """The session's latest user messages, newest first (the ``/rewind`` picker): id,
+        timestamp and a preview (80 characters, whitespace collapsed)."""
+        with self._reading() as conn:
+            rows = reads.recent_user_messages(conn, session_id, limit, include_inactive)
+        out = []
+        for row in rows:
+            preview = " ".join(_preview(row["content"]).split())
+            out.append({"id": row["id"], "timestamp": row["timestamp"],
+                        "preview": preview[:77] + "..." if len(preview) > 80 else preview})
+        return out
 
     def get_messages_as_conversation(self, session_id: str, include_ancestors: bool = False,
                                      include_inactive: bool = False,
@@ -588,9 +1119,11 @@ class SessionDB:
         limit: int = 20, offset: int = 0, sort: str | None = None,
         include_inactive: bool = False,
     ) -> list[dict[str, Any]]:
-        """Messages matching ``query`` (Hermes's search dialect), each with its session's
-        source and model, a snippet (``>>>`` match ``<<<``) and its neighbours in its
-        session (``context``)."""
+        """Messages matching ``query`` (Hermes's search dialect) in their text or in what
+        they say of tools (a tool name, the calls' names and arguments), each with its
+        session's source and model, a snippet (``>>>`` match ``<<<``) and its neighbours in
+        its session (``context``). A word of the query found in the text and another only
+        in the tool text do not make a match together (two indexes, each asked whole)."""
         if not query or not query.strip():
             return []
         match = self._sanitize_fts5_query(query)
@@ -609,10 +1142,7 @@ class SessionDB:
         if role_filter:
             where.append(f"m.role IN ({','.join('?' * len(role_filter))})")
             params.extend(role_filter)
-        order = "rank"
-        if isinstance(sort, str) and sort.strip().lower() in ("newest", "oldest"):
-            direction = "DESC" if sort.strip().lower() == "newest" else "ASC"
-            order = f"m.timestamp {direction}, rank"
+        by_time = sort.strip().lower() if isinstance(sort, str) else None
         with self._reading() as conn:
             if self._contains_cjk(match):
                 raw = match.strip('"').strip()
@@ -622,7 +1152,7 @@ class SessionDB:
             else:
                 try:
                     matches = reads.search(conn, match, where=where, params=params,
-                                           order=order, limit=limit, offset=offset)
+                                           sort=by_time, limit=limit, offset=offset)
                 except sqlite3.OperationalError:
                     return []
             for found in matches:
@@ -631,6 +1161,7 @@ class SessionDB:
                     for r in reads.context(conn, found["id"])]
         for found in matches:
             found.pop("content", None)
+            found.pop("score", None)
         return matches
 
     # -- lineage, export, import, delete, prune ------------------------------------------
@@ -798,42 +1329,87 @@ class SessionDB:
         return json.dumps({**row, "messages": converted}), len(converted), size
 
     def delete_session(self, session_id: str, sessions_dir: Path | None = None) -> bool:
-        """Delete the session and its messages (its children stay, without a parent);
-        False when there is no such session."""
-        if self.get_session(session_id) is None:
-            return False
-        self._writes().delete_nowait(session_id)
-        self._users.pop(session_id, None)
-        _remove_session_files(sessions_dir, session_id)
+        """Delete the session and its messages, with the subagent runs it spawned
+        (``_delegate_from``); its other children (branches, continuations) stay, without a
+        parent. False when there is no such session."""
+        with self._reading() as conn:
+            if reads.session_row(conn, session_id) is None:
+                return False
+            delegates = reads.delegate_children(conn, [session_id])
+        self._delete([*delegates, session_id], sessions_dir)
         return True
 
     def prune_sessions(self, older_than_days: float | None = 90, source: str | None = None,
                        sessions_dir: Path | None = None, **filters: Any) -> int:
-        """Delete the ended sessions that started more than ``older_than_days`` ago (of
-        ``source``); their children stay, without a parent. Returns how many went."""
-        if filters:
-            raise TypeError(f"prune filters {sorted(filters)} are not supported")
-        self._settle()
-        runtime = self._runtime
-        if runtime is None:
-            raise StoreError(f"the session store {self.db_path} is closed")
-        days = 0.0 if older_than_days is None else float(older_than_days)
-        result = runtime.call(lambda p: p.sessions.prune(days, source=source, by="started",
-                                                         timeout_s=WRITE_WAIT_S),
-                              WRITE_WAIT_S + 1.0)
-        for sid in result.deleted:
-            self._users.pop(sid, None)
-            _remove_session_files(sessions_dir, sid)
-        return len(result.deleted)
+        """Delete the ended sessions that started more than ``older_than_days`` ago (None:
+        any time) and match the filters (``list_prune_candidates``); their children stay,
+        without a parent. Each delete checks when it commits that the session is still
+        ended and nothing changed it since it was picked. Returns how many went.
 
-    # -- meta ------------------------------------------------------------------------------
-
-    def vacuum(self) -> int:
-        return 0
+        Raises:
+            TypeError: an unknown filter, or a value of the wrong type.
+        """
+        return self._prune(_prune_filter(older_than_days, source, filters), sessions_dir)
 
 
-def _connect(target: str, *, uri: bool = False) -> sqlite3.Connection:
-    conn = sqlite3.connect(target, uri=uri, check_same_thread=False, timeout=30.0,
+# What delete_empty_sessions takes: ended, unarchived sessions without messages.
+_EMPTY = SessionFilter(max_messages=0, archived=False)
+# What begins a table constraint in a CREATE TABLE, not a column.
+_TABLE_CONSTRAINTS = frozenset({"PRIMARY", "UNIQUE", "FOREIGN", "CHECK", "CONSTRAINT"})
+# What a listed compression root takes from its live tip.
+_FROM_TIP = ("id", "ended_at", "end_reason", "message_count", "tool_call_count", "title",
+             "last_active", "preview", "model", "system_prompt", "cwd", "git_branch",
+             "git_repo_root")
+
+
+def _projected(conn: sqlite3.Connection, row: dict[str, Any], compact: bool
+               ) -> dict[str, Any]:
+    """A listed session as its compression chain's live tip, in its place: the tip's
+    identity and activity, the root's start (``_lineage_root_id`` names the root)."""
+    if row.get("end_reason") != "compression":
+        return row
+    tip_id = reads.compression_tip(conn, row["id"])
+    tip = None if tip_id == row["id"] else reads.rich_session(conn, tip_id, compact=compact)
+    if tip is None:
+        return row
+    merged = {**row, **{k: tip[k] for k in _FROM_TIP if k in tip}}
+    merged["_lineage_root_id"] = row["id"]
+    return merged
+
+
+def _prune_filter(older_than_days: float | None, source: str | None,
+                  filters: dict[str, Any]) -> SessionFilter:
+    """Hermes's prune arguments as a ``SessionFilter`` (``older_than_days`` is a
+    ``started_before`` unless one is given).
+
+    Raises:
+        TypeError: an unknown filter, or a value of the wrong type.
+    """
+    if filters.get("started_before") is None and older_than_days is not None:
+        filters["started_before"] = time.time() - float(older_than_days) * 86_400
+    return SessionFilter.of(source=source, **filters)
+
+
+def _top_level_parts(body: str) -> list[str]:
+    """``body`` cut at the commas outside parentheses, each part stripped (SQL comments
+    left out)."""
+    body = re.sub(r"--[^\n]*", "", body)
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
+    for ch in body:
+        if ch == "," and depth == 0:
+            parts.append("".join(current).strip())
+            current = []
+            continue
+        depth += (ch == "(") - (ch == ")")
+        current.append(ch)
+    parts.append("".join(current).strip())
+    return [p for p in parts if p]
+
+
+def _connect(target: str, *, timeout: float, uri: bool = False) -> sqlite3.Connection:
+    conn = sqlite3.connect(target, uri=uri, check_same_thread=False, timeout=timeout,
                            isolation_level=None)
     conn.row_factory = sqlite3.Row
     return conn
@@ -857,6 +1433,22 @@ def _timestamp(value: Any) -> float | None:
         logger.debug("ignoring an invalid explicit message timestamp: %r", value)
         return None
     return stamp if stamp == stamp and stamp not in (float("inf"), float("-inf")) else None
+
+
+# A message's text that Hermes stores with lone surrogates as U+FFFD.
+_SCRUBBED = ("content", "tool_name", "reasoning", "reasoning_content", "api_content")
+
+
+def _scrub(value: Any) -> Any:
+    """Text with its lone surrogates as U+FFFD (Hermes's scrub); anything else as it is."""
+    return sanitize(value) if isinstance(value, str) else value
+
+
+def _scrubbed(message: dict[str, Any]) -> dict[str, Any]:
+    for key in _SCRUBBED:
+        if isinstance(message.get(key), str):
+            message[key] = _scrub(message[key])
+    return message
 
 
 def _hermes_message(m: Mapping[str, Any]) -> dict[str, Any]:
@@ -962,7 +1554,7 @@ def _is_branch(session: Mapping[str, Any]) -> bool:
     return isinstance(config, dict) and config.get("_branched_from") is not None
 
 
-def _conversation(rows: Sequence[sqlite3.Row], *, session_id: str, include_ancestors: bool,
+def _conversation(rows: Sequence[Mapping[str, Any]], *, session_id: str, include_ancestors: bool,
                   repair_alternation: bool) -> list[dict[str, Any]]:
     """Message rows as Hermes replays them: OpenAI messages, recalled memory context
     stripped from user and assistant text, an assistant's reasoning and finish reason

@@ -19,7 +19,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidTurnError
-from ..ops import UPDATE_FIELDS, encode_session_change, encode_session_op
+from ..ops import (
+    LOCK_MODES,
+    MAX_META_KEY_CHARS,
+    MESSAGE_FIELD_COLUMNS,
+    MESSAGE_FIELD_KEY,
+    UPDATE_FIELDS,
+    encode_session_change,
+    encode_session_op,
+    lane_of_meta,
+)
+from ..store.session_filters import SessionFilter
 from ..turns import (
     MAX_TOKENS,
     Receipt,
@@ -38,6 +48,8 @@ MAX_TOTAL = 2**53  # a session total or counter set outright (absolute usage, a 
 MAX_NAME_CHARS = 512
 DAY_S = 86_400.0
 PRUNE_TIMEOUT_S = 60.0  # prune waits this long for its deletes to commit
+LOCK_TIMEOUT_S = 30.0  # a compression lock's call waits this long for its record to commit
+MAX_META_VALUE_CHARS = 1 << 20
 
 
 class InvalidSessionError(InvalidTurnError):
@@ -50,7 +62,7 @@ class PruneResult:
     """What a prune did: the sessions it asked to delete, and those that went (a session
     with a turn committed meanwhile is kept)."""
 
-    cutoff: float
+    cutoff: float | None
     candidates: tuple[str, ...]
     deleted: tuple[str, ...]
 
@@ -138,6 +150,8 @@ class SessionWrites:
         """Set ``fields`` on the session's row (a value of None clears it) and ``fill`` the
         ones it has none of; any of our columns and Hermes Agent 0.19's (``ops.UPDATE_FIELDS``:
         title, cwd, git_branch, git_repo_root, chat_id, billing_*, costs, counters, ...).
+        ``user_id`` fills the row's user when it has none (a session's user is the scope its
+        messages were stored under: never replaced).
         With ``create``, a session with no row gets one (started now, with ``fields`` and
         ``fill``, ``source`` among them or the pipeline's); without, an unknown session is
         left alone.
@@ -150,7 +164,7 @@ class SessionWrites:
         sid = _session(session_id)
         sets = _fields("fields", fields or {}, sid)
         fills = _fields("fill", fill or {}, sid)
-        if not sets and not fills and not create:
+        if not sets and not fills and not create and user_id is None:
             raise InvalidSessionError("update needs a field to set or fill")
         return self._change(sid, _user(user_id), "update", fields=sets, fill=fills,
                             create=bool(create))
@@ -210,11 +224,14 @@ class SessionWrites:
         return self._change(sid, _user(user_id), "usage", usage=usage)
 
     def replace_messages_nowait(self, session_id: str, messages: Sequence[Mapping[str, Any]],
-                                *, user_id: str | None = None, active_only: bool = False
-                                ) -> Receipt:
+                                *, user_id: str | None = None, active_only: bool = False,
+                                compact: bool = False) -> Receipt:
         """Replace the session's stored messages with ``messages`` (each stored as given, as
         ``sync_turn`` stores them), in one commit; with ``active_only``, only those the host
-        has not set aside (``active``) give way. The receipt's ``first_id`` is the first new
+        has not set aside (``active``) give way. With ``compact`` (Hermes Agent's
+        ``archive_and_compact``), its active messages are not deleted but set aside as
+        compacted (``active`` 0, ``compacted`` 1: found by Hermes's search, not loaded as
+        the live conversation). The receipt's ``first_id`` is the first new
         message's id. Its count columns then count its active messages.
 
         Raises:
@@ -226,7 +243,7 @@ class SessionWrites:
             raise InvalidSessionError("messages must be a list of message dicts")
         rows = [message_row(i, m) for i, m in enumerate(messages)]
         return self._change(sid, _user(user_id), "replace", messages=rows,
-                            active_only=bool(active_only))
+                            active_only=bool(active_only), compact=bool(compact))
 
     def append_nowait(self, session_id: str, messages: Sequence[Mapping[str, Any]], *,
                       user_id: str | None = None, metadata: Mapping[str, Any] | None = None
@@ -253,6 +270,59 @@ class SessionWrites:
         receipt = self._p.accept_record(key, sid, at, data, n)
         self._p.sanitized += bool(notes)
         return receipt
+
+    def set_message_fields_nowait(self, session_id: str, message_id: int,
+                                  values: Mapping[str, Any], *,
+                                  only_if_latest: str | None = None) -> Receipt:
+        """Set keys of one stored message's fields (a value of None removes the key): what
+        Hermes Agent keeps per message beside its text (``api_content``, ``finish_reason``,
+        ...). Not its role, content, tool calls, call id, tool name, time or token count,
+        which columns and the indexes hold. At commit the message must be the session's
+        (and, with ``only_if_latest``, still its newest active message of that role), else
+        nothing changes.
+
+        Raises:
+            InvalidSessionError: a key that cannot be set, a value JSON cannot hold as given,
+                text holding a lone surrogate; nothing was stored.
+            QueueFullError, DiskFullError, PipelineClosedError.
+        """
+        sid = _session(session_id)
+        if isinstance(message_id, bool) or not isinstance(message_id, int) or not (
+                0 < message_id < 2**63):
+            raise InvalidSessionError("message_id must be a positive integer")
+        if not isinstance(values, Mapping) or not values:
+            raise InvalidSessionError("values must be a non-empty mapping")
+        for key in values:
+            if (not isinstance(key, str) or MESSAGE_FIELD_KEY.fullmatch(key) is None
+                    or key in MESSAGE_FIELD_COLUMNS):
+                raise InvalidSessionError(f"a message's field {key!r:.40} cannot be set")
+        if only_if_latest is not None:
+            _name("only_if_latest", only_if_latest)
+        try:
+            check_nesting("values", values)
+            text = json.dumps(dict(values), ensure_ascii=False, allow_nan=False)
+            text.encode("utf-8")
+        except (InvalidTurnError, TypeError, ValueError, RecursionError) as exc:
+            raise InvalidSessionError(f"values are not storable JSON: {exc}") from None
+        return self._change(sid, None, "fields", args={
+            "i": message_id, "f": json.loads(text), "r": only_if_latest})
+
+    def set_active_nowait(self, session_id: str, from_message_id: int, active: bool, *,
+                          rewind: bool = False) -> Receipt:
+        """Set the session's messages from ``from_message_id`` on aside (``active`` False:
+        Hermes Agent's rewind; the live conversation and ``get_messages`` leave them out)
+        or take them back (True: its restore). Their text stays stored and indexed.
+        ``rewind`` also counts one rewind on the session (``rewind_count``).
+
+        Raises:
+            InvalidSessionError, QueueFullError, DiskFullError, PipelineClosedError.
+        """
+        sid = _session(session_id)
+        if isinstance(from_message_id, bool) or not isinstance(from_message_id, int) or not (
+                0 <= from_message_id < 2**63):
+            raise InvalidSessionError("from_message_id must be an integer >= 0")
+        return self._change(sid, None, "active", args={
+            "from": from_message_id, "on": 1 if active else 0, "rw": bool(rewind)})
 
     def delete_nowait(self, session_id: str, *, user_id: str | None = None) -> Receipt:
         """Delete the session with its messages, their index rows, its logged tool calls,
@@ -281,38 +351,125 @@ class SessionWrites:
         """``delete_nowait``, as a coroutine."""
         return self.delete_nowait(session_id, user_id=user_id)
 
-    async def prune(self, older_than_days: float, *, source: str | None = None,
-                    timeout_s: float = PRUNE_TIMEOUT_S, by: str = "ended") -> PruneResult:
+    async def prune(self, older_than_days: float | None, *, source: str | None = None,
+                    timeout_s: float = PRUNE_TIMEOUT_S, by: str = "ended",
+                    where: SessionFilter | None = None) -> PruneResult:
         """Delete the sessions that ended more than ``older_than_days`` ago and have had
         nothing stored since (of ``source`` only, when given). Never an open session, nor
         one with a turn pending here or in the shared inbox. Waits for the deletes to commit.
         ``by="started"`` is Hermes Agent's rule: the ended sessions that started more than
         ``older_than_days`` ago. A deleted session's children stay, without a parent.
 
+        ``where``: only the ended sessions these filters pick (Hermes Agent's prune filters:
+        ``SessionFilter``); ``older_than_days`` None: no age cut-off. Such a prune's deletes
+        check again when they commit that the session is still ended and nothing changed it
+        since it was picked (a turn, an update, an archive): one that changed stays.
+
         Raises:
-            InvalidSessionError: ``older_than_days`` is not a number >= 0.
+            InvalidSessionError: ``older_than_days`` is not None or a number >= 0.
             FlushTimeoutError: the deletes did not commit within ``timeout_s`` (they stay
                 durable, and commit later).
             QueueFullError, DiskFullError, PipelineClosedError, PipelineFailedError.
         """
-        if (isinstance(older_than_days, bool) or not isinstance(older_than_days, (int, float))
-                or not older_than_days >= 0):
+        if older_than_days is not None and (
+                isinstance(older_than_days, bool)
+                or not isinstance(older_than_days, (int, float)) or not older_than_days >= 0):
             raise InvalidSessionError(
                 f"older_than_days must be a number >= 0, got {older_than_days!r:.20}")
         if source is not None:
             source = _name("source", source)
         if by not in ("ended", "started"):
             raise InvalidSessionError(f"by must be 'ended' or 'started', got {by!r:.20}")
-        cutoff = time.time() - float(older_than_days) * DAY_S
+        if where is not None and not isinstance(where, SessionFilter):
+            raise InvalidSessionError("where must be a SessionFilter")
+        picked_at = time.time()
+        cutoff = None if older_than_days is None else picked_at - float(older_than_days) * DAY_S
         started = by == "started"
-        candidates = await self._p.store.prunable_sessions(cutoff, source, started=started)
-        cut = {"started_before": cutoff} if started else {"ended_before": cutoff}
+        candidates = await self._p.store.prunable_sessions(cutoff, source, started=started,
+                                                           where=where)
+        cut: dict[str, float]
+        if where is not None or cutoff is None:
+            cut = {"unchanged_before": picked_at}
+        else:
+            cut = {"started_before": cutoff} if started else {"ended_before": cutoff}
         receipts = [self._accept(sid, user, "delete", source=source, **cut)
                     for sid, user in candidates]
         await self._p.committed(receipts, timeout_s)
         ids = tuple(sid for sid, _ in candidates)
         remaining = await self._p.store.existing_sessions(ids)
         return PruneResult(cutoff, ids, tuple(s for s in ids if s not in remaining))
+
+    def set_meta_nowait(self, key: str, value: str | None) -> Receipt:
+        """Set a key of Hermes Agent's key-value state (``state_meta``; None removes it),
+        in the one lane its writes share: they commit in the order they were accepted.
+
+        Raises:
+            InvalidSessionError: an empty or overlong key, a value that is not a string, text
+                holding NUL or a lone surrogate; nothing was stored.
+            QueueFullError, DiskFullError, PipelineClosedError.
+        """
+        if not isinstance(key, str) or not key or len(key) > MAX_META_KEY_CHARS:
+            raise InvalidSessionError(
+                f"key must be a non-empty string of at most {MAX_META_KEY_CHARS} characters")
+        _text("key", key)
+        if value is not None:
+            if not isinstance(value, str):
+                raise InvalidSessionError(f"value must be a string, got {type(value).__name__}")
+            if len(value) > MAX_META_VALUE_CHARS:
+                raise InvalidSessionError(
+                    f"value is longer than {MAX_META_VALUE_CHARS} characters")
+            _text("value", value)
+        return self._accept(lane_of_meta(), None, "meta", args={"k": key, "v": value})
+
+    def compression_lock_nowait(self, session_id: str, holder: str, mode: str = "acquire", *,
+                                ttl_s: float = 300.0, now: float | None = None) -> Receipt:
+        """Acquire, refresh or release (``mode``) the session's compression lock for
+        ``holder`` (Hermes Agent's per-session lease): at commit, an acquire drops a lease
+        ended before ``now`` and takes the lock if no one holds it; a refresh moves the
+        holder's lease to ``now + ttl_s`` if it has not ended; a release drops the holder's
+        lock. ``now`` is the caller's clock (default ``time.time()``). ``compression_lock``
+        waits and says whether it worked.
+
+        Raises:
+            InvalidSessionError: an unknown mode, an empty holder, a ttl that is not a finite
+                number >= 0; nothing was stored.
+            QueueFullError, DiskFullError, PipelineClosedError.
+        """
+        sid = _session(session_id)
+        if mode not in LOCK_MODES:
+            raise InvalidSessionError(f"mode must be one of {sorted(LOCK_MODES)}")
+        if not isinstance(holder, str) or not holder:
+            raise InvalidSessionError("holder must be a non-empty string")
+        _text("holder", holder)
+        if (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))
+                or not math.isfinite(ttl_s) or ttl_s < 0):
+            raise InvalidSessionError("ttl_s must be a finite number >= 0")
+        at = time.time() if now is None else now
+        if isinstance(at, bool) or not isinstance(at, (int, float)) or not math.isfinite(at):
+            raise InvalidSessionError("now must be a finite number")
+        return self._accept(sid, None, "lock", args={
+            "m": mode, "h": holder, "n": float(at), "e": float(at) + float(ttl_s)})
+
+    async def compression_lock(self, session_id: str, holder: str, mode: str = "acquire", *,
+                               ttl_s: float = 300.0, now: float | None = None,
+                               timeout_s: float = LOCK_TIMEOUT_S) -> bool:
+        """``compression_lock_nowait``, then once it committed: whether ``holder`` holds the
+        lock (acquire: newly, or still), holds it with the lease this call asked for
+        (refresh), or no longer holds it (release).
+
+        Raises:
+            InvalidSessionError, QueueFullError, DiskFullError, PipelineClosedError.
+            FlushTimeoutError: the record did not commit within ``timeout_s``.
+        """
+        at = time.time() if now is None else now
+        receipt = self.compression_lock_nowait(session_id, holder, mode, ttl_s=ttl_s, now=at)
+        await self._p.committed([receipt], timeout_s)
+        held = await self._p.store.compression_lock(session_id)
+        if mode == "release":
+            return held is None or held[0] != holder
+        if mode == "refresh":
+            return held is not None and held == (holder, float(at) + float(ttl_s))
+        return held is not None and held[0] == holder
 
     def _change(self, session_id: str, user_id: str | None, action: str, *,
                 messages: Sequence[Sequence[Any]] | None = None, **kw: Any) -> Receipt:

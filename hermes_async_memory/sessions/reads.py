@@ -62,8 +62,9 @@ class SearchHit:
 
     ``snippet`` marks the matched words as ``>>>word<<<`` (``store.sessions.SNIPPET_OPEN``
     and ``SNIPPET_CLOSE``) and stands ``…`` for text cut away. ``rank`` is FTS5's bm25 on
-    the message text: lower is better. ``before`` and ``after`` are the messages next to it
-    in its own session (None at either end).
+    the message text (on its tool text, for a message found by that, whose snippet is
+    then of its tool text): lower is better. ``before`` and ``after`` are the messages next
+    to it in its own session (None at either end).
     """
 
     message_id: int
@@ -200,7 +201,9 @@ class SessionReads:
         order: str = "rank",
     ) -> list[SearchHit]:
         """Messages matching ``query``, best first (bm25, then oldest), one page; with
-        ``order="newest"`` the latest stored first, unranked (fast however many match).
+        ``order="newest"`` the latest stored first, unranked (fast however many match). A
+        message matches by its text, or by what it says of tools (its tool name, its calls'
+        names and arguments: the tool index), the query whole in either.
 
         ``syntax="plain"``: ``query`` is data; a message matches when it holds every word
         (case and accents aside); operators and quotes in it are words or punctuation.
@@ -252,7 +255,8 @@ class SessionReads:
         text = text_query(query, syntax)
         try:
             rows = await self._store().search_messages(
-                match, sources=only_sources, exclude_sources=not_sources, roles=only_roles,
+                match, tool_match=scoped_match(expression, tokens, "tool_text"),
+                sources=only_sources, exclude_sources=not_sources, roles=only_roles,
                 session_id=session, user_id=user,
                 no_user=user is None and not all_users, limit=limit, offset=offset,
                 snippet_tokens=SNIPPET_TOKENS, newest=order == "newest", text=text)

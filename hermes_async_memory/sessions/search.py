@@ -530,11 +530,13 @@ def _substrings(node: Node) -> TextQuery:
     return SubstringOp(node.op, _substrings(node.left), _substrings(node.right))
 
 
-def scoped_match(expression: str, scope_tokens: Sequence[str]) -> str:
+def scoped_match(expression: str, scope_tokens: Sequence[str], column: str = "content"
+                 ) -> str:
     """``scope:"t1" AND scope:"t2" AND content:(expression)``: the expression can only
-    match message text, and only in rows holding every scope token (none: every row)."""
+    match message text (or, ``column="tool_text"``, the tool index's tool text), and only
+    in rows holding every scope token (none: every row)."""
     scoped = [f"scope:{quote(t)}" for t in scope_tokens]
-    return " AND ".join([*scoped, f"content:({expression})"])
+    return " AND ".join([*scoped, f"{column}:({expression})"])
 
 
 def is_fts5_syntax_error(exc: BaseException) -> bool:

@@ -6,8 +6,10 @@ they hold: ``connections`` (opening, pragmas, closing), ``schema`` (tables and m
 ``memories`` (key-value memory), ``lifecycle`` (session lifecycle events), ``keys``
 (done keys), ``inbox`` (the shared inbox), ``recalls`` (recall requests and results),
 ``replica`` (the replica outbox), ``tool_log`` (procedural memory's tool calls),
-``templates`` (warm-start templates and the sessions started from them) and
-``dead_letters``; ``sql`` holds the helpers they share.
+``templates`` (warm-start templates and the sessions started from them),
+``session_state`` (Hermes Agent's key-value state and compression locks),
+``session_filters`` (a bulk prune's or archive's filters) and ``dead_letters``; ``sql``
+holds the helpers they share.
 ``inspect.StoreReader`` reads a store file read-only and synchronously, for the admin CLI.
 """
 
@@ -24,6 +26,8 @@ from .messages import Hit, Messages, StoredTurn
 from .recalls import Recalls
 from .replica import ReplicaOutbox, ReplicaRow
 from .schema import SCHEMA, SCHEMA_VERSION
+from .session_filters import InvalidFilterError, SessionFilter
+from .session_state import SessionState
 from .sessions import SessionQueries
 from .sql import sql_literal
 from .templates import Templates
@@ -31,7 +35,7 @@ from .tool_log import CallRow, ToolLog, ToolLogConfig
 
 
 class SqliteStore(Messages, Memories, Lifecycle, DoneKeys, Inbox, Recalls, ReplicaOutbox,
-                  DeadLetters, SessionQueries, ToolLog, Templates):
+                  DeadLetters, SessionQueries, SessionState, ToolLog, Templates):
     """The system of record. ``open()`` before use, ``aclose()`` after.
 
     One class over the parts, each a table's reads and writes on the connections they
@@ -49,7 +53,9 @@ __all__ = [
     "DeadLetter",
     "EntryRow",
     "Hit",
+    "InvalidFilterError",
     "ReplicaRow",
+    "SessionFilter",
     "SqliteStore",
     "StoredTurn",
     "ToolLogConfig",

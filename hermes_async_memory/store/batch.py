@@ -2,7 +2,8 @@
 
 The FTS5 indexes have external content and no insert trigger: the batch fills them once from
 the rows it just inserted, as it does the sessions' counters, the replica outbox and the done
-keys (the trigram index only with the messages of turns holding CJK text: ``text_index``).
+keys (the trigram index only with the messages of turns holding CJK text, the tool index
+with those that have tool text: ``text_index``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from .lifecycle import session_statements
 from .memories import op_statements, ops_done, replica_statement
 from .sql import ID_HIGH, sql_literal
 from .templates import template_statements
-from .text_index import INDEX_SESSION_TRIGRAM, INDEX_TRIGRAM, INDEX_WORDS, payload_has_cjk
+from .text_index import (
+    INDEX_SESSION_TRIGRAM,
+    INDEX_TOOLS,
+    INDEX_TRIGRAM,
+    INDEX_WORDS,
+    payload_has_cjk,
+)
 from .tool_log import ToolLogConfig, log_statements
 
 # A big token count is written as an integer and read back by SQLite as a real, as the old
@@ -252,8 +259,9 @@ class Batch:
                    replica_templates: bool = False, tool_log: ToolLogConfig | None = None
                    ) -> list[str]:
         """What the batch's transaction runs after inserting its messages: the replica
-        outbox rows, the FTS indexes, the sessions, the tool-call log (when ``tool_log`` and
-        some turn has tool calls), and the outbox keys marked 'done'; then
+        outbox rows, the FTS indexes, the sessions, the tool-call log (when ``tool_log``: the
+        turns' calls, and their sessions' calls awaiting an answer), and the outbox keys
+        marked 'done'; then
         the key-value records (with replica rows of their own when ``replica_kv``), the
         session lifecycle events (with replica rows of their own whenever there is a
         ``replica``) and the template records (with replica rows of their own when
@@ -265,12 +273,15 @@ class Batch:
         if self._cjk_spans:
             script.append(INDEX_TRIGRAM.format(mine=id_ranges(self._cjk_spans, "id")))
         if self._spans:
-            script += [INDEX_BATCH.format(mine=mine),
+            script += [INDEX_BATCH.format(mine=mine), INDEX_TOOLS.format(mine=mine),
                        ID_HIGH.format(high=max(last for _, last in self._spans)),
                        UPSERT_SESSIONS.format(rows=self.session_rows(), now=now_sql,
                                               source=sql_literal(self.source))]
-        if tool_log is not None and self._has_tool_calls:
-            script += log_statements(tool_log, self.mine)
+        if tool_log is not None and self._spans:
+            # Its calls are logged, and its messages settle its sessions' calls that await
+            # their answer (no statement at all without calls while none awaits one).
+            script += log_statements(tool_log, self.mine, sessions=self.session_rows,
+                                     calls=self._has_tool_calls)
         script += [
             INSERT_DONE.format(segment=int(segment), now=now_sql, run=run)
             for segment, run in self.segment_runs()

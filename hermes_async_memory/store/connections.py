@@ -51,6 +51,9 @@ STATEMENT_BUSY_MS = 100
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+# The messages' full-text indexes (``text_index``), as ``optimize_text_indexes`` merges them.
+MESSAGE_INDEXES = ("messages_fts", "messages_tools", "messages_trgm")
+
 # The tables a store of ours has; a SQLite file with tables but not these is someone else's.
 _OUR_TABLES = ("schema_version", "outbox", "messages_fts")
 
@@ -247,6 +250,46 @@ class Connections:
         async with self.writer.execute("PRAGMA wal_checkpoint(TRUNCATE)") as cur:
             row = await cur.fetchone()
         return row is not None and row[0] == 0
+
+    async def optimize_text_indexes(self) -> list[str]:
+        """Merge each full-text index of the messages (the word, tool and trigram indexes
+        this file has) into one segment: FTS5's ``optimize``, layout only (what a search
+        finds is unchanged). On a connection of its own, each index in a transaction of
+        its own: the writer's commits wait for one, then go on. Returns the indexes merged.
+
+        Raises:
+            sqlite3.Error: the file cannot be written.
+        """
+        merged: list[str] = []
+        conn = await self._connect()
+        try:
+            for name in MESSAGE_INDEXES:
+                async with conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' "
+                                        "AND name = ?", (name,)) as cur:
+                    if await cur.fetchone() is None:
+                        continue
+                async with conn.execute(f"INSERT INTO {name} ({name}) VALUES ('optimize')"):
+                    merged.append(name)
+        finally:
+            await conn.close()
+        return merged
+
+    async def vacuum(self) -> None:
+        """Rewrite the file to give back the space deletes left (a WAL checkpoint, then
+        VACUUM), on a connection of its own: the writer's commits wait meanwhile (their
+        retries ride it out), then go on.
+
+        Raises:
+            sqlite3.Error: the file cannot be rewritten (another connection's transaction
+                kept it busy past the busy timeout, a full disk).
+        """
+        conn = await self._connect()
+        try:
+            for statement in ("PRAGMA wal_checkpoint(TRUNCATE)", "VACUUM"):
+                async with conn.execute(statement) as cur:  # done with before the next
+                    await cur.fetchall()
+        finally:
+            await conn.close()
 
     async def aclose(self, timeout_s: float | None = None) -> None:
         """Stop what runs (``interrupt``), close readers, then the writers, within

@@ -36,12 +36,15 @@ from ..ops import (
     IMPORTED_MESSAGE_FIELDS,
     IMPORTED_ROW_COLUMNS,
     SNAPSHOT_FIELD,
+    STATE_ACTIONS,
     SessionOp,
     parse_session,
 )
 from ..turns import Turn, scope_tokens
 from .connections import Connections
 from .session_changes import change_statement
+from .session_filters import SessionFilter
+from .session_state import state_statement
 from .sql import (
     ID_HIGH,
     KEY_CHUNK,
@@ -51,9 +54,9 @@ from .sql import (
     sql_literal,
     where_equal,
 )
-from .tool_log import ToolLogConfig, session_log_statements
+from .tool_log import ToolLogConfig, end_statements, session_log_statements
 
-CHANGES = frozenset({"update", "usage", "reopen", "replace"})
+CHANGES = frozenset({"update", "usage", "reopen", "replace", "fields", "active"})
 
 _JSON = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 
@@ -97,6 +100,13 @@ AND NOT EXISTS (SELECT 1 FROM inbox WHERE inbox.session_id = {id} AND inbox.key 
 PRUNE_STARTED = """
 EXISTS (SELECT 1 FROM sessions AS p WHERE p.id = {id} AND p.ended_at IS NOT NULL
         AND p.started_at < {before} {source_clause})
+AND NOT EXISTS (SELECT 1 FROM inbox WHERE inbox.session_id = {id} AND inbox.key != {key})
+"""
+# A filtered prune's: the session ended, and nothing changed it after it was picked (its
+# last change is before the cut-off): what picked it still holds.
+PRUNE_UNCHANGED = """
+EXISTS (SELECT 1 FROM sessions AS p WHERE p.id = {id} AND p.ended_at IS NOT NULL
+        AND p.updated_at < {before} {source_clause})
 AND NOT EXISTS (SELECT 1 FROM inbox WHERE inbox.session_id = {id} AND inbox.key != {key})
 """
 # A deleted session's children keep their rows, no longer pointing at it.
@@ -187,6 +197,10 @@ WHERE EXISTS (SELECT 1 FROM temp.import_fresh) ORDER BY e.key;
 INSERT INTO messages_fts (rowid, content, scope)
 SELECT """ + _IMPORT_ID + """, e.value ->> 4, {scope} FROM json_each({rows}) AS e
 WHERE EXISTS (SELECT 1 FROM temp.import_fresh);
+INSERT INTO messages_tools (rowid, tool_text, scope)
+SELECT m.id, m.tool_text, m.scope FROM json_each({rows}) AS e
+JOIN messages AS m ON m.id = """ + _IMPORT_ID + """
+WHERE EXISTS (SELECT 1 FROM temp.import_fresh) AND m.tool_text IS NOT NULL;
 DELETE FROM temp.import_fresh;
 """
 
@@ -197,8 +211,10 @@ def session_statements(ops: Sequence[Turn], default_source: str,
     """The statements that apply lifecycle events ``ops``, in order, for a batch's
     transaction (their outbox keys are marked done with the batch's other operations); with
     ``replica``, each event that changed its session also waits for that backend; with
-    ``tool_log``, an import's tool calls are logged; ``ids`` gives an import's messages ids
-    when its record came without (and says which exported ids may be kept).
+    ``tool_log``, an import's tool calls are logged (and its messages settle the session's
+    calls awaiting an answer), and an end settles them as never answered; ``ids`` gives an
+    import's messages ids when its record came without (and says which exported ids may be
+    kept).
 
     Raises:
         ValueError: an import without ids, and no ``ids``.
@@ -209,13 +225,19 @@ def session_statements(ops: Sequence[Turn], default_source: str,
         waits = "" if replica is None else _replica_row(op, t.payload, replica)
         if op.action in CHANGES:
             script += [change_statement(op, default_source, ids), waits]
+        elif op.action in STATE_ACTIONS:
+            script.append(state_statement(op))  # Hermes's own state: not mirrored
         elif op.action == "import":
             # Between the row and the messages: whether the messages go in is known there.
             script += [_import_row(op, default_source), waits, _import_messages(op, ids)]
-            if tool_log is not None and op.messages and any(m[5] for m in op.messages):
-                script += session_log_statements(tool_log, sql_literal(op.session_id))
+            if tool_log is not None and op.messages:
+                script += session_log_statements(tool_log, sql_literal(op.session_id),
+                                                 calls=any(m[5] for m in op.messages))
         else:
             script += [_statement(op, default_source), waits]
+            if tool_log is not None and op.action == "end":
+                # Its calls still awaiting their answer were never answered.
+                script += end_statements(tool_log, sql_literal(op.session_id))
     return [s for s in script if s]
 
 
@@ -245,6 +267,10 @@ def _statement(op: SessionOp, default_source: str) -> str:
         condition = PRUNE_STARTED.format(
             id=sid, before=repr(op.started_before), key=sql_literal(op.record_key),
             source_clause=source_clause)
+    elif op.unchanged_before is not None:
+        condition = PRUNE_UNCHANGED.format(
+            id=sid, before=repr(op.unchanged_before), key=sql_literal(op.record_key),
+            source_clause=source_clause)
     else:
         condition = "true"
     return DELETE.format(id=sid, condition=condition)
@@ -255,8 +281,10 @@ def _replica_row(op: SessionOp, payload: str, backend: str) -> str:
     if it changed its session: see the module doc."""
     sid, record = sql_literal(op.session_id), sql_literal(payload)
     condition = "true"
-    if op.action == "replace":
+    if op.action in ("replace", "fields", "active"):
         return ""  # not mirrored: a replica keeps the messages it was sent (see README)
+    if op.action in STATE_ACTIONS:
+        return ""  # Hermes's own state: not mirrored
     if op.action == "delete":
         condition = DELETED.format(id=sid)
     elif op.action == "import":
@@ -322,22 +350,24 @@ def _text(value: object) -> str:
 class Lifecycle(Connections):
     """The reads prune and import need (their writes are batch statements, above)."""
 
-    async def prunable_sessions(self, before: float, source: str | None, *,
-                                started: bool = False) -> list[tuple[str, str | None]]:
+    async def prunable_sessions(self, before: float | None, source: str | None, *,
+                                started: bool = False, where: SessionFilter | None = None
+                                ) -> list[tuple[str, str | None]]:
         """(id, user) of the sessions that ended and were last updated before ``before``
-        (with ``started``: that ended, and started before it), of ``source`` only when
-        given, oldest first."""
-        if started:
-            sql = "SELECT id, user_id FROM sessions WHERE ended_at IS NOT NULL AND started_at < ?"
-            params: list[object] = [before]
-        else:
-            sql = ("SELECT id, user_id FROM sessions WHERE ended_at IS NOT NULL "
-                   "AND ended_at < ? AND updated_at < ?")
-            params = [before, before]
+        (with ``started``: that ended, and started before it; None: no cut-off), of
+        ``source`` only when given, matching ``where`` when given, oldest first."""
+        condition, params = (where or SessionFilter()).where("s")
+        sql = f"SELECT s.id, s.user_id FROM sessions AS s WHERE {condition}"
+        if before is not None and started:
+            sql += " AND s.started_at < ?"
+            params.append(before)
+        elif before is not None:
+            sql += " AND s.ended_at < ? AND s.updated_at < ?"
+            params += [before, before]
         if source is not None:
-            sql += " AND source = ?"
+            sql += " AND s.source = ?"
             params.append(source)
-        async with self.reader() as db, db.execute(sql + " ORDER BY ended_at, id",
+        async with self.reader() as db, db.execute(sql + " ORDER BY s.ended_at, s.id",
                                                    params) as cur:
             return [(str(r[0]), None if r[1] is None else str(r[1]))
                     for r in await cur.fetchall()]

@@ -7,9 +7,9 @@ from pathlib import Path
 import aiosqlite
 
 from ..errors import StoreError
-from .text_index import ensure_trigram
+from .text_index import ensure_tool_index, ensure_trigram
 from .tool_log import TEMP_TABLES as TOOL_LOG_TEMP_TABLES
-from .tool_log import ToolLogConfig, range_log_statements
+from .tool_log import ToolLogConfig, prepare, range_log_statements
 
 # 2: recall requests and results are keyed by (session, user), not by session alone.
 # 3: key-value memory (memories, memories_fts); new tables only.
@@ -30,7 +30,13 @@ from .tool_log import ToolLogConfig, range_log_statements
 # 9: a trigram index beside the word index, for text the word index cannot split into words
 #    (CJK): messages_trgm, filled with the stored messages that hold such text (new table,
 #    made and filled by text_index.ensure_trigram).
-SCHEMA_VERSION = 9
+# 10: Hermes Agent's key-value state (state_meta) and its compression locks
+#    (compression_locks); an index of the messages' tool names and calls beside the word
+#    index (messages_tools, over the generated column tool_text, made and filled by
+#    text_index.ensure_tool_index): new tables and a column.
+# 11: a tool call may await its answer in a later record (tool_calls.awaiting, and its
+#    index idx_tool_calls_awaiting, made by tool_log.prepare): an added column and index.
+SCHEMA_VERSION = 11
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -186,6 +192,7 @@ CREATE TABLE IF NOT EXISTS tool_calls (
     at REAL NOT NULL,
     fixed_by INTEGER,  -- the later call that fixed this failure
     fixes INTEGER,  -- the failure this call fixed
+    awaiting INTEGER NOT NULL DEFAULT 0,  -- 1: no answer yet (store.tool_log)
     UNIQUE (message_id, call_id)
 );
 CREATE INDEX IF NOT EXISTS idx_tool_calls_user_tool ON tool_calls(user_id, tool, id);
@@ -267,6 +274,17 @@ CREATE TABLE IF NOT EXISTS session_model_usage (
     PRIMARY KEY (session_id, model, billing_provider, billing_base_url, billing_mode, task)
 );
 CREATE INDEX IF NOT EXISTS idx_session_model_usage_model ON session_model_usage(model);
+-- Hermes Agent's key-value state (its state_meta: the last automatic prune, ...), written
+-- only by commits of meta records (store.session_state).
+CREATE TABLE IF NOT EXISTS state_meta (key TEXT PRIMARY KEY, value TEXT);
+-- Hermes Agent's compression locks: who compresses a session, until when (a lease a crashed
+-- holder loses at expires_at); written only by commits of lock records (store.session_state).
+CREATE TABLE IF NOT EXISTS compression_locks (
+    session_id TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    acquired_at REAL NOT NULL,
+    expires_at REAL NOT NULL
+);
 CREATE TRIGGER IF NOT EXISTS memories_fts_insert AFTER INSERT ON memories BEGIN
     INSERT INTO memories_fts(rowid, key, value, scope)
     VALUES (new.id, new.key, new.value, new.scope);
@@ -294,6 +312,8 @@ _ADDED_COLUMNS = (
     ("messages", "token_count", "INTEGER"),
     # 1: the template the session started from was deleted (its name may be taken again).
     ("template_sessions", "detached", "INTEGER NOT NULL DEFAULT 0"),
+    # 1: the call awaits its answer (version 11, store.tool_log).
+    ("tool_calls", "awaiting", "INTEGER NOT NULL DEFAULT 0"),
 )
 # Version 8: a message's keys no column holds, as given (JSON; see turns.message_row), and
 # Hermes's flags: 0 in active is a message the host set aside (rewound, compacted).
@@ -315,6 +335,11 @@ MESSAGE_COLUMNS = (
         ("observed", "INTEGER", "coalesce(fields ->> '$.observed', 0)"),
         ("effect_disposition", "TEXT", "fields ->> '$.effect_disposition'"),
         ("api_content", "TEXT", "fields ->> '$.api_content'"),
+        # What the tool index holds of a message: its tool name and its tool calls' JSON
+        # (names and arguments), as Hermes indexes them beside the text; NULL without.
+        ("tool_text", "TEXT", "CASE WHEN tool_name IS NOT NULL OR tool_calls IS NOT NULL "
+                              "THEN coalesce(tool_name, '') || ' ' || coalesce(tool_calls, '') "
+                              "END"),
     )),
 )
 # Hermes Agent 0.19's session columns beside ours (its hermes_state.SCHEMA_SQL).
@@ -396,7 +421,9 @@ async def migrate(db: aiosqlite.Connection, path: Path,
         await db.executescript("BEGIN IMMEDIATE;" + "".join(script) + "COMMIT;")
     await add_missing_columns(db)
     await db.commit()
+    await prepare(db, tool_log)  # the tool log's awaiting calls
     await ensure_trigram(db)
+    await ensure_tool_index(db)
     await db.executescript(LEASE_GUARD)
 
 

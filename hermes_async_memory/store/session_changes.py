@@ -1,19 +1,29 @@
-"""What a batch's session changes do (``ops`` actions ``update``, ``usage``, ``reopen`` and
-``replace``), as SQL for the batch's transaction. Values are inlined as SQL literals (a
-change never holds U+0000 in a text column: ``ops.parse_session`` refused it).
+"""What a batch's session changes do (``ops`` actions ``update``, ``usage``, ``reopen``,
+``replace``, ``fields`` and ``active``), as SQL for the batch's transaction. Values are
+inlined as SQL literals (a change never holds U+0000 in a text column:
+``ops.parse_session`` refused it).
 
 - ``update``: set fields (overwrite) and fill fields (only where the row has none) on the
-  session's row; with ``create``, the row is made when there is none (its start is the
-  record's time, its source the one given, else the store's).
+  session's row, and its user where it has none; with ``create``, the row is made when
+  there is none (its start is the record's time, its source the one given, else the
+  store's).
 - ``usage``: one model call's accounting, as Hermes Agent's ``update_token_counts`` does it:
   counters and costs added (or set, ``absolute``), the model and billing route filled where
   none is stored, replaced whole by the first call that accounts usage on another route, and
   the call's share added to ``session_model_usage`` under its model and route (not for an
   ``absolute`` update, whose totals cannot be split by route).
 - ``reopen``: the session's end is cleared.
+- ``fields``: keys of one message's fields set (or removed), when the message is the
+  session's (and, if the record says so, still its newest active message of a role):
+  Hermes's per-message columns generated from them follow; its text and indexes are not
+  touched.
+- ``active``: the session's messages from an id on set aside (``active`` 0: Hermes's
+  rewind, which also counts one in ``rewind_count``) or taken back (``active`` 1: its
+  restore); their text stays, indexed.
 - ``replace``: the session's messages (or only its active ones) give way to the record's,
   under the ids the record took when accepted; the index follows, and the counts are those
-  of its active messages.
+  of its active messages. A compaction (Hermes's ``archive_and_compact``) keeps the active
+  ones on file, set aside as compacted, instead of deleting them.
 """
 
 from __future__ import annotations
@@ -104,13 +114,13 @@ DO UPDATE SET
     last_seen = excluded.last_seen;
 """
 # A replace: the session's row (made if missing), its old messages out (the delete trigger
-# takes their index rows and logged calls), the record's in, indexed, and the counts of its
-# active messages.
+# takes their index rows and logged calls; a compaction keeps them, set aside: RETIRE_*), the
+# record's in, indexed, and the counts of its active messages.
 REPLACE = """
 INSERT INTO sessions (id, source, user_id, started_at, updated_at)
 VALUES ({id}, {default_source}, {user}, {at}, {at})
 ON CONFLICT (id) DO UPDATE SET user_id = coalesce(sessions.user_id, excluded.user_id);
-DELETE FROM messages WHERE session_id = {id}{active};
+{retire}
 INSERT INTO messages (id, session_id, turn_key, ordinal, role, content, tool_calls,
                       tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count,
                       fields)
@@ -120,6 +130,9 @@ SELECT {first} + e.key, {id}, {key}, e.key, e.value ->> 0, e.value ->> 1, e.valu
 FROM json_each({rows}) AS e ORDER BY e.key;
 INSERT INTO messages_fts (rowid, content, scope)
 SELECT id, content, scope FROM messages WHERE id BETWEEN {first} AND {last};
+INSERT INTO messages_tools (rowid, tool_text, scope)
+SELECT id, tool_text, scope FROM messages
+WHERE id BETWEEN {first} AND {last} AND tool_text IS NOT NULL;
 UPDATE sessions SET
     message_count = (SELECT count(*) FROM messages WHERE session_id = {id} AND active = 1),
     tool_call_count = (SELECT coalesce(sum(CASE WHEN json_valid(tool_calls)
@@ -129,6 +142,12 @@ UPDATE sessions SET
     updated_at = max(updated_at, {at})
 WHERE id = {id};
 """
+
+RETIRE_DELETE = "DELETE FROM messages WHERE session_id = {id}{active};"
+# Hermes's compaction: the live messages stay on file, set aside (active 0) and marked as
+# summarized away (compacted 1): its search still finds them, its live load does not.
+RETIRE_COMPACT = ("UPDATE messages SET active = 0, compacted = 1 "
+                  "WHERE session_id = {id} AND active = 1;")
 
 
 def change_statement(op: SessionOp, default_source: str, ids: MessageIds | None) -> str:
@@ -144,7 +163,40 @@ def change_statement(op: SessionOp, default_source: str, ids: MessageIds | None)
         return _usage(op, sid, at)
     if op.action == "reopen":
         return REOPEN.format(id=sid, at=at)
+    if op.action == "fields":
+        return _fields(op, sid)
+    if op.action == "active":
+        return _active(op, sid, at)
     return _replace(op, sid, at, default_source, ids)
+
+
+def _active(op: SessionOp, sid: str, at: str) -> str:
+    args = op.args or {}
+    on = 1 if args.get("on") else 0
+    script = (f"UPDATE messages SET active = {on} WHERE session_id = {sid} "
+              f"AND id >= {int(args['from'])} AND active = {1 - on};\n")
+    if args.get("rw"):
+        script += (f"UPDATE sessions SET rewind_count = coalesce(rewind_count, 0) + 1, "
+                   f"updated_at = max(updated_at, {at}) WHERE id = {sid};\n")
+    return script
+
+
+def _fields(op: SessionOp, sid: str) -> str:
+    args = op.args or {}
+    mid, values, role = int(args["i"]), args["f"], args.get("r")
+    expr = "coalesce(fields, '{}')"
+    removed = [f"'$.{k}'" for k, v in values.items() if v is None]
+    if removed:
+        expr = f"json_remove({expr}, {', '.join(removed)})"
+    kept = [f"'$.{k}', json({sql_literal(_JSON.encode(v))})" for k, v in values.items()
+            if v is not None]
+    if kept:
+        expr = f"json_set({expr}, {', '.join(kept)})"
+    condition = f"id = {mid} AND session_id = {sid}"
+    if role is not None:
+        condition += (f" AND id = (SELECT max(id) FROM messages WHERE session_id = {sid} "
+                      f"AND role = {sql_literal(role)} AND active = 1)")
+    return f"UPDATE messages SET fields = {expr} WHERE {condition};\n"
 
 
 def _update(op: SessionOp, sid: str, at: str, default_source: str) -> str:
@@ -166,7 +218,9 @@ def _update(op: SessionOp, sid: str, at: str, default_source: str) -> str:
             assignments=assignments)
     assignments = "".join([f"{c} = {_value(v)}, " for c, v in sets.items()]
                           + [f"{c} = coalesce({c}, {_value(v)}), " for c, v in fills.items()
-                             if c not in sets])
+                             if c not in sets]
+                          + ([f"user_id = coalesce(user_id, {_value(op.user_id)}), "]
+                             if op.user_id is not None else []))
     return UPDATE.format(id=sid, at=at, assignments=assignments)
 
 
@@ -228,10 +282,11 @@ def _replace(op: SessionOp, sid: str, at: str, default_source: str,
         if ids is None:
             raise ValueError(f"replace {op.record_key} has no message ids and none can be given")
         first = ids.for_record(op.record_key, len(messages))
+    retire = (RETIRE_COMPACT.format(id=sid) if op.compact else RETIRE_DELETE.format(
+        id=sid, active=" AND active = 1" if op.active_only else ""))
     script = REPLACE.format(
         id=sid, at=at, key=sql_literal(op.record_key), user=_value(op.user_id),
-        default_source=sql_literal(default_source),
-        active=" AND active = 1" if op.active_only else "", first=int(first or 0),
+        default_source=sql_literal(default_source), retire=retire, first=int(first or 0),
         last=int(first or 0) + len(messages) - 1, rows=sql_literal(_JSON.encode(messages)),
         scope=sql_literal(scope_tokens(op.user_id, op.session_id)))
     if messages:

@@ -23,7 +23,7 @@ from typing import Any, TypeAlias
 from ..turns import scope_token_for
 from .connections import Connections
 from .sql import fetch_dicts, where_equal
-from .text_index import has_cjk, is_missing_trigram
+from .text_index import TOOL_INDEX, has_cjk, is_missing_trigram
 
 # Marks around the matched words in a hit's snippet, and what stands for cut text.
 SNIPPET_OPEN = ">>>"
@@ -213,7 +213,7 @@ class SessionQueries(Connections):
         exclude_sources: Sequence[str] | None = None, roles: Sequence[str] | None = None,
         session_id: str | None = None, user_id: str | None = None, no_user: bool = False,
         limit: int = 20, offset: int = 0, snippet_tokens: int = 32, newest: bool = False,
-        text: TextQuery | None = None,
+        text: TextQuery | None = None, tool_match: str | None = None,
     ) -> list[dict[str, Any]]:
         """Messages matching ``match`` (an FTS5 expression the caller built, quoted and
         scoped), best first (bm25, then id), or with ``newest`` the latest stored first
@@ -236,6 +236,11 @@ class SessionQueries(Connections):
         marked once, whole), score (bm25: lower is better), and the message before and after
         it in its own session (before_role, before_content, after_role, after_content; None
         at either end), their text cut to ``CONTEXT_CHARS`` characters.
+
+        ``tool_match``: also the messages whose tool text (``text_index``: the tool index)
+        matches this expression (``match`` with ``tool_text`` for its column): the same
+        query over each index, the two pages merged (a message both find is its text's
+        hit), the snippet of a tool hit from its tool text. Not for ``text``.
 
         ``sources``: only sessions from these (empty: none); ``exclude_sources``: none from
         these; ``roles``: only these roles; ``session_id``/``user_id``: only that session's
@@ -280,19 +285,34 @@ class SessionQueries(Connections):
                      hit_order="m.id DESC" if newest else "messages_fts.rank, m.id",
                      page_order=("messages_fts.rowid DESC" if newest
                                  else "messages_fts.rank, messages_fts.rowid"))
-        if session_id is None and user_id is None and not no_user:  # everyone's messages
+        everyone = session_id is None and user_id is None and not no_user
+        if everyone:  # everyone's messages
             page_join = ""
             if filters:
                 page_join = _PAGE_JOIN_MESSAGES
                 if sources is not None or exclude_sources:
                     page_join += _PAGE_JOIN_SESSIONS
             sql = _SEARCH_ALL.format(page_join=page_join, **marks)
-            params = [match, *params, limit, offset, snippet_tokens, match, match]
         else:
             sql = _SEARCH.format(**marks)
-            params = [snippet_tokens, match, *params, limit, offset, match]
+
+        def arguments(expr: str, n: int, skip: int) -> list[Any]:
+            if everyone:
+                return [expr, *params, n, skip, snippet_tokens, expr, expr]
+            return [snippet_tokens, expr, *params, n, skip, expr]
+
         async with self.reader() as db:
-            rows = await fetch_dicts(db, sql, params)
+            if tool_match is None:
+                rows = await fetch_dicts(db, sql, arguments(match, limit, offset))
+            else:  # each index's first offset + limit hits, merged, then the page
+                rows = await fetch_dicts(db, sql, arguments(match, offset + limit, 0))
+                found = {r["id"] for r in rows}
+                rows += [r for r in await fetch_dicts(
+                    db, sql.replace("messages_fts", TOOL_INDEX),
+                    arguments(tool_match, offset + limit, 0)) if r["id"] not in found]
+                rows.sort(key=(lambda r: -r["id"]) if newest
+                          else (lambda r: (r["score"], r["id"])))
+                rows = rows[offset:offset + limit]
         for r in rows:
             marked = r.pop("marked")
             if marked is not None:

@@ -1,6 +1,7 @@
 """The messages' full-text indexes and how they are filled: the word index ``messages_fts``
 (``schema.SCHEMA``) and, beside it, the trigram index ``messages_trgm`` for text the word
-index cannot split into words.
+index cannot split into words, and the tool index ``messages_tools`` for what a message says
+of tools (see below).
 
 The word index's tokenizer (unicode61) splits text at spaces and punctuation. Chinese and
 Japanese put no spaces between words, and Korean attaches particles to them, so a run of
@@ -27,6 +28,15 @@ the index what was never there (for an external-content table that would corrupt
 ``INSERT INTO messages_trgm (messages_trgm, rank) VALUES ('integrity-check', 1)`` compares
 the index with every message, so it reports the messages without CJK text as missing: the
 check without content (rank 0, the default) is the one that applies.
+
+The tool index holds, for each message with a tool name or tool calls, the generated column
+``tool_text``: the tool name and the calls' JSON (each call's function name and arguments),
+as Hermes Agent indexes them beside a message's text, so that a session search finds a
+message by the tool it ran or the arguments it gave. It is an index of its own (the word
+index holds the text alone, which recall ranks on, untouched): a search that wants tool text
+asks both and merges the hits (a message found by both is one hit). Filled like the trigram
+index: by each commit from the rows it inserted (``INDEX_TOOLS``), and left through
+``messages_tools_delete`` only by what it holds.
 
 A SQLite without the trigram tokenizer (``no such tokenizer: trigram``) opens the store all
 the same (``ensure_trigram``): the table is not made, fills go to temporary tables on the
@@ -94,6 +104,20 @@ WHEN EXISTS (SELECT 1 FROM messages_trgm_docsize WHERE id = old.id) BEGIN
     VALUES ('delete', old.id, old.content);
 END;
 """
+TOOL_INDEX = "messages_tools"
+TOOLS_TABLE = """
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_tools USING fts5(
+    tool_text, scope, content='messages', content_rowid='id',
+    tokenize='unicode61 remove_diacritics 2'
+);
+"""
+TOOLS_DELETE = """
+CREATE TRIGGER IF NOT EXISTS messages_tools_delete AFTER DELETE ON messages
+WHEN EXISTS (SELECT 1 FROM messages_tools_docsize WHERE id = old.id) BEGIN
+    INSERT INTO messages_tools (messages_tools, rowid, tool_text, scope)
+    VALUES ('delete', old.id, old.tool_text, old.scope);
+END;
+"""
 # Without the trigram tokenizer: what the fills insert goes nowhere (the temporary tables
 # shadow the names on the writer connection, and the trigger drops each row).
 TRIGRAM_SINK = """
@@ -114,6 +138,10 @@ SELECT id, content, scope FROM messages WHERE {mine};
 INDEX_TRIGRAM = """
 INSERT INTO messages_trgm (rowid, content)
 SELECT id, content FROM messages WHERE ({mine}) AND content GLOB """ + CJK_GLOB + """;
+"""
+INDEX_TOOLS = """
+INSERT INTO messages_tools (rowid, tool_text, scope)
+SELECT id, tool_text, scope FROM messages WHERE ({mine}) AND tool_text IS NOT NULL;
 """
 # Both, for a statement that inserts messages outside a batch's turns (an import, a
 # replacement of a session's messages): ``INDEX_MESSAGES.format(mine=...)``.
@@ -170,6 +198,30 @@ async def ensure_trigram(db: aiosqlite.Connection) -> bool:
     await db.execute("DROP TRIGGER IF EXISTS messages_trgm_delete")
     await db.executescript(TRIGRAM_SINK)
     return False
+
+
+async def ensure_tool_index(db: aiosqlite.Connection) -> None:
+    """Make the tool index if the file has none, filled from the stored messages with tool
+    text (a store from before version 10), with its delete trigger, in one transaction.
+
+    Raises:
+        sqlite3.Error: the file cannot be read or written.
+    """
+    if await _exists(db, "trigger", "messages_tools_delete"):
+        return
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        if await _exists(db, "table", "messages_tools"):  # never without its trigger: anew
+            await db.execute("DROP TABLE messages_tools")
+        await db.execute(TOOLS_TABLE)
+        await db.execute("INSERT INTO messages_tools (messages_tools, rank) "
+                         "VALUES ('rank', 'bm25(1.0, 0.0)')")
+        await db.execute(INDEX_TOOLS.format(mine="true"))
+        await db.execute(TOOLS_DELETE)
+        await db.execute("COMMIT")
+    except BaseException:
+        await _rollback(db)
+        raise
 
 
 def is_missing_trigram(exc: BaseException) -> bool:
