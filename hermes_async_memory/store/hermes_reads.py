@@ -99,13 +99,18 @@ LIMIT 1
 """
 # A rich row's extra columns: the first user message (for its preview) and when the
 # session was last active (its latest message, else its start).
+# A listed session's preview (its first user message) and its last activity (its last
+# message's time) by insertion order, found through idx_messages_session (session, id):
+# Hermes orders both by time, with an index of (session, timestamp) ours does not keep (each
+# commit would pay for it); the two differ only when a message was given an earlier time
+# than one stored before it.
 _RICH_EXTRA = """,
     coalesce((SELECT substr(replace(replace(m.content, char(10), ' '), char(13), ' '), 1, {n})
               FROM messages AS m
               WHERE m.session_id = s.id AND m.role = 'user' AND m.content IS NOT NULL
-              ORDER BY m.timestamp, m.id LIMIT 1), '') AS _preview_raw,
-    coalesce((SELECT max(m2.timestamp) FROM messages AS m2 WHERE m2.session_id = s.id),
-             s.started_at) AS last_active"""
+              ORDER BY m.id LIMIT 1), '') AS _preview_raw,
+    coalesce((SELECT m2.timestamp FROM messages AS m2 WHERE m2.session_id = s.id
+              ORDER BY m2.id DESC LIMIT 1), s.started_at) AS last_active"""
 # Each listed session's compression chain forward (root_id: the listed one; UNION ends a
 # cycle), and the latest activity anywhere in it: what ``order_by_last_active`` sorts by,
 # in SQL, so that LIMIT and OFFSET apply to the sorted list.
@@ -121,7 +126,8 @@ WITH RECURSIVE chain(root_id, cur_id) AS (
 ),
 chain_last AS (
     SELECT root_id, max(coalesce(
-        (SELECT max(m.timestamp) FROM messages AS m WHERE m.session_id = chain.cur_id),
+        (SELECT m.timestamp FROM messages AS m WHERE m.session_id = chain.cur_id
+         ORDER BY m.id DESC LIMIT 1),
         (SELECT cs.started_at FROM sessions AS cs WHERE cs.id = chain.cur_id))) AS last
     FROM chain GROUP BY root_id
 )"""
