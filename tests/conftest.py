@@ -178,3 +178,22 @@ async def page(new_context: NewContext) -> Page:
     """A page in a context of its own, JavaScript on; ``log_of(page)`` has what it reported."""
     context = await new_context()
     return await context.new_page()
+
+
+# The Hermes provider's tests (test_hermes_provider, test_hermes_turn_span).
+
+@pytest.fixture
+def restore_structlog() -> Iterator[None]:
+    """The plugin's register() routes structlog to logging when nobody configured it: put
+    back what the test found."""
+    configured, saved = structlog.is_configured(), structlog.get_config()
+    yield
+    if configured:
+        structlog.configure(**saved)
+    else:
+        structlog.reset_defaults()
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "hermes-home"

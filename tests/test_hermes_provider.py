@@ -44,23 +44,7 @@ NAME = hconfig.PROVIDER_NAME
 WAIT_S = 10.0
 
 
-pytestmark = pytest.mark.usefixtures("clean_env")
-
-
-@pytest.fixture(autouse=True)
-def _restore_structlog() -> Iterator[None]:
-    # The plugin's register() routes structlog to logging when nobody configured it.
-    configured, saved = structlog.is_configured(), structlog.get_config()
-    yield
-    if configured:
-        structlog.configure(**saved)
-    else:
-        structlog.reset_defaults()
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "hermes-home"
+pytestmark = pytest.mark.usefixtures("clean_env", "restore_structlog")
 
 
 @pytest.fixture

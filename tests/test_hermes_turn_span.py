@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import structlog
 from structlog.testing import capture_logs
 
 from hermes_async_memory import HermesMemoryProvider, InvalidTurnError
@@ -32,22 +31,7 @@ Message = dict[str, Any]
 WAIT_S = 10.0
 S = "s1"
 
-pytestmark = pytest.mark.usefixtures("clean_env")
-
-
-@pytest.fixture(autouse=True)
-def _restore_structlog() -> Iterator[None]:
-    configured, saved = structlog.is_configured(), structlog.get_config()
-    yield
-    if configured:
-        structlog.configure(**saved)
-    else:
-        structlog.reset_defaults()
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "hermes-home"
+pytestmark = pytest.mark.usefixtures("clean_env", "restore_structlog")
 
 
 @pytest.fixture
