@@ -3,7 +3,11 @@
     honcho   honcho-ai           the Honcho backend
     cli      rich                the admin commands' progress display
     metrics  prometheus-client   the worker's GET /metrics (and --http)
+    ui       jinja2              the memory inspector (/ui, hermes-memory ui)
+    postgres asyncpg             the shared PostgreSQL store (hermes-memory db)
     all      every one of them
+
+README.md's table of extras says the same, with test and dev.
 """
 
 from __future__ import annotations

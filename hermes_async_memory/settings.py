@@ -120,7 +120,7 @@ class Settings:
     source: str = "api"
     # Shutdown.
     shutdown_deadline_s: float = 10.0
-    # Several processes on one store file (see README, "Several processes, one memory"):
+    # Several processes on one store file (docs/multi-process.md):
     # "embedded" does everything in this process; "producer" (a gateway) only makes turns
     # durable, hands them to the shared file's inbox and reads recalls a worker wrote;
     # "worker" (python -m workers) also drains the inbox and serves the producers' recalls.

@@ -1,4 +1,4 @@
-"""The examples run as the README says, and do what they print."""
+"""The examples run as docs/layout.md and docs/multi-process.md say, and do what they print."""
 
 from __future__ import annotations
 

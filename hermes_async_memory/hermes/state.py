@@ -11,7 +11,7 @@ from any thread. Every write is a record in the store's outbox, so it survives a
 moment the method returns; ``append_message`` returns the message's id then. A read first
 waits until everything accepted before it (by any thread of this process) is committed.
 
-What differs from Hermes's own, by design (README, "Hermes's session store"):
+What differs from Hermes's own, by design (docs/hermes.md, "Hermes's session store"):
 
 - The file is a store of ours: the same sessions and messages (with Hermes's column names,
   so ``_conn`` reads as Hermes's code expects) and our memory beside them. Hermes's own

@@ -3,11 +3,11 @@
 A record is accepted by appending it to a memory-mapped segment file (``records`` has the
 format, ``segments`` the files). Bytes stored into a shared mapping live in the kernel's page
 cache, so they survive SIGKILL of the process with no system call on the accept path (power
-loss is another matter; see README). The log is also the writer's queue: the writer reads
-records back from the mapping, in order, so a pending turn costs no memory beyond its bytes
-in the log, and overflow, crash recovery and normal work share one path. At open, damaged
-bytes are copied to ``quarantine/`` beside the segments, counted and logged, and every intact
-record after them is recovered.
+loss is another matter; see docs/how-it-works.md). The log is also the writer's queue: the
+writer reads records back from the mapping, in order, so a pending turn costs no memory
+beyond its bytes in the log, and overflow, crash recovery and normal work share one path.
+At open, damaged bytes are copied to ``quarantine/`` beside the segments, counted and
+logged, and every intact record after them is recovered.
 
 The store's ``outbox`` table records each turn's final state (done, dead) under its unique
 key: that is what makes a replay after a crash exactly-once.

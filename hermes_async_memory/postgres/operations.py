@@ -126,7 +126,8 @@ async def apply_session(conn: Conn, op: SessionOp, source: str) -> None:
     elif op.action == "import":
         await _import(conn, op, source)
     # update, usage, reopen (the session store's Hermes fields and accounting) and replace
-    # are not mirrored here yet: the shared schema has no columns for them (see README).
+    # are not mirrored here yet: the shared schema has no columns for them (see
+    # docs/postgresql.md).
 
 
 
