@@ -1,10 +1,13 @@
 """Run every benchmark, one process each, and print the README's results table (markdown).
 
     .venv/bin/python benchmarks/run_all.py [--quick] [--only NAME ...] [--update-readme]
+                                           [--locomo DIR]
 
 Before each benchmark the machine's CPU use is sampled while nothing of ours runs, waiting
 (up to --wait-quiet seconds) for two quiet seconds in a row: latency tails on a 2-core
 machine move a lot when something else is busy, so the table also says how quiet it was.
+--locomo DIR also runs bench_locomo.py (recall relevance) on that folder of LoCoMo
+conversations (shared/data/locomo-dev); without it, that benchmark is left out.
 --update-readme replaces the table between the ``<!-- results:start -->`` and
 ``<!-- results:end -->`` markers of benchmarks/README.md.
 """
@@ -80,7 +83,10 @@ def wait_quiet(max_wait_s: float, threshold: float = QUIET_BELOW) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
-    p.add_argument("--only", action="append", choices=BENCHMARKS, help="run only these")
+    p.add_argument("--only", action="append", choices=(*BENCHMARKS, "locomo"),
+                   help="run only these")
+    p.add_argument("--locomo", type=Path, default=None, metavar="DIR",
+                   help="also run bench_locomo.py on this folder of LoCoMo conversations")
     p.add_argument(
         "--wait-quiet",
         type=float,
@@ -92,7 +98,9 @@ def main() -> int:
         "--update-readme", action="store_true", help="write the table into benchmarks/README.md"
     )
     args = p.parse_args()
-    names = args.only or list(BENCHMARKS)
+    names = args.only or [*BENCHMARKS, *(["locomo"] if args.locomo else [])]
+    if "locomo" in names and args.locomo is None:
+        p.error("bench_locomo needs its data: --locomo DIR")
     rows: list[dict[str, object]] = []
     notes = []
     failed = []
@@ -107,7 +115,7 @@ def main() -> int:
             out = Path(tmp.name)
         cmd = [sys.executable, str(script), "--json", str(out)] + (
             ["--quick"] if args.quick else []
-        )
+        ) + ([str(args.locomo)] if name == "locomo" else [])
         t0 = time.perf_counter()
         b0, j0 = busy_jiffies()
         c0 = children_cpu_s()
@@ -131,7 +139,9 @@ def main() -> int:
         if code != 0 or not out.stat().st_size:
             failed.append(name)
         else:
-            rows.extend(json.loads(out.read_text()))
+            written = json.loads(out.read_text())
+            # A list of rows; bench_locomo writes an object: its rows and every question.
+            rows.extend(written["rows"] if isinstance(written, dict) else written)
         out.unlink(missing_ok=True)
 
     def verdict(met: object) -> str:
