@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,7 @@ from .writer import Source, Writer
 
 if TYPE_CHECKING:
     from .pipeline import MemoryPipeline
+    from .store import SqliteStore
 
 log = structlog.get_logger(__name__)
 
@@ -95,7 +96,9 @@ class Parts:
     async def search(self, query: str, user_id: str | None, session_id: str | None,
                      limit: int | None) -> str:
         s = self.pipeline.settings
-        terms = query_terms(query, self.pipeline.store.frequent_terms, s.recall_max_terms)
+        store = self.pipeline.store
+        terms = query_terms(query, store.frequent_terms, s.recall_max_terms,
+                            stems=store.word_index_stems)
         scope = scope_token_for(user_id, session_id)
         return await self.local.search(terms, scope, limit or s.recall_limit)
 
@@ -195,7 +198,7 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     commits = role != "producer"
     local = LocalRecaller(store, p.backend, limit=s.recall_limit,
                           max_terms=s.recall_max_terms,
-                          snippet_tokens=s.recall_snippet_tokens, observer=p.observer,
+                          chars_per_hit=s.recall_chars_per_hit, observer=p.observer,
                           procedural=s.procedural_context if s.tool_log else None)
     remote = RemoteRecaller(store, s.max_pending_recalls) if role == "producer" else None
     jobs = None
@@ -230,7 +233,8 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
                             clock=p.clock)
     writer = Writer(sources, sink, max_batch=s.max_batch, max_batch_bytes=s.max_batch_bytes,
                     max_wait_s=s.max_wait_ms / 1000, backoff=backoff, conditions=p.conditions,
-                    observer=p.observer, clock=p.clock)
+                    observer=p.observer, clock=p.clock,
+                    chore=_reindexing(store, p.changed) if commits and store.reindex else None)
     writer.set_poll_interval(s.shared_poll_ms / 1000)
     parts = Parts(p, outbox, recovery, writer, recall, local, maintenance, supervisor,
                   inbox=inbox, slots=slots, slot=slot)
@@ -269,6 +273,17 @@ def _outbox(s: Settings) -> Outbox:
                   overflow=s.overflow)
 
 
+def _reindexing(store: SqliteStore, changed: Callable[[], None]
+                ) -> Callable[[], Awaitable[bool]]:
+    """The writer's chore while the word index is rebuilt: a slice, then the news (stats()
+    shows the progress; a wait on it wakes)."""
+    async def chore() -> bool:
+        left = await store.reindex_chore()
+        changed()
+        return left
+    return chore
+
+
 def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
     """A ``PipelineStats`` snapshot of ``p``."""
     now = p.clock()
@@ -299,6 +314,7 @@ def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
     replica = parts.replicator
     waiting = replica is not None and not replica.idle
     replica_oldest = parts.maintenance.replica_oldest if waiting else None
+    reindex = p.store.reindex
     return PipelineStats(
         accepted_turns=parts.outbox.accepted(), queued_turns=c.unread_turns,
         queued_bytes=c.pending_bytes,
@@ -330,5 +346,7 @@ def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
         replica_available=p.backend.available(),
         stale_blocks=p.cache.stale_blocks(),
         refreshes_queued=r.refreshes_queued,
+        reindex_done=0 if reindex is None else reindex.indexed,
+        reindex_total=0 if reindex is None else reindex.total,
         **common,  # type: ignore[arg-type]
     )

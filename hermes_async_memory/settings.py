@@ -99,13 +99,19 @@ class Settings:
     # Recall.
     recall_workers: int = 2
     recall_limit: int = 5
+    # The recall block's lines hold whole messages: each hit, then the messages beside it,
+    # within this many characters a hit (recall_limit times it for the block).
+    recall_chars_per_hit: int = 380
+    # PostgreSQL's recall shows a snippet of each hit: its length in tokens.
     recall_snippet_tokens: int = 16
     recall_max_terms: int = 8
     # A query term found in more messages than max(frequent_term_rows, frequent_term_ratio *
-    # all messages) is too common to rank on, and is dropped: it adds noise to an OR query
-    # and bm25 work for every row it matches. (At 1M messages a 2 % cut-off keeps recall at
-    # ~1 ms; no cut-off costs ~45 ms.) The set is refreshed off the hot path.
-    frequent_term_rows: int = 50
+    # all messages) is too common to rank on, and is dropped: bm25 works on every row it
+    # matches. (At 1M messages a 2 % cut-off keeps recall at ~1 ms; no cut-off costs
+    # ~45 ms.) Below a few thousand rows that work is small, and the word may be the one
+    # that answers (stopwords are dropped by a list): hence the floor. The set is refreshed
+    # off the hot path.
+    frequent_term_rows: int = 5_000
     frequent_term_ratio: float = 0.02
     frequent_terms_refresh_s: float = 30.0
     max_pending_recalls: int = 10_000
@@ -192,7 +198,8 @@ class Settings:
             "max_queued_bytes", "max_turn_bytes",
             "outbox_segment_bytes", "replica_max_attempts",
             "recall_workers", "recall_limit",
-            "recall_snippet_tokens", "recall_max_terms", "frequent_term_rows",
+            "recall_chars_per_hit", "recall_snippet_tokens", "recall_max_terms",
+            "frequent_term_rows",
             "max_pending_recalls", "cache_max_sessions", "tool_log_max_per_user",
         )
         for name in positive:

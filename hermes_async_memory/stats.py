@@ -75,6 +75,11 @@ class PipelineStats:
     replica_available: bool = True
     stale_blocks: int = 0
     refreshes_queued: int = 0
+    # The word index's rebuild after an upgrade (a store made before it stemmed): messages
+    # indexed of those there at its start; both 0 when none is under way. Until it ends,
+    # recall and search read the old index.
+    reindex_done: int = 0
+    reindex_total: int = 0
 
 
 def percentile(samples: list[float], q: float) -> float:

@@ -40,6 +40,8 @@ from .turns import Turn
 log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
+# After a chore's step failed for a passing reason (the store busy, the disk full).
+CHORE_RETRY_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class Unreadable:
@@ -134,8 +136,15 @@ class Writer:
         max_wait_s: float, backoff: Backoff, conditions: Conditions,
         observer: PipelineObserver, listeners: Sequence[Listener] = (),
         clock: Callable[[], float] = time.monotonic,
+        chore: Callable[[], Awaitable[bool]] | None = None,
     ) -> None:
         self._sources = list(sources)
+        # Upkeep of the sink that needs its write connection (a rebuild of an index, in
+        # slices): one step between batches, steps back to back while no work waits;
+        # returns whether more is left.
+        self._chore = chore
+        self._chore_left = chore is not None
+        self._chore_after = 0.0
         self._sink = sink
         self._max_batch = max_batch
         self._max_bytes = max_batch_bytes
@@ -198,7 +207,13 @@ class Writer:
                 if isinstance(source, ReadsAhead):
                     source.rewind()
             while not self._stopping:
-                if not await self._round():
+                found = await self._round()
+                if self._chore_left and self._clock() >= self._chore_after \
+                        and not self._stopping:
+                    await self._finish_behind()
+                    await self._chore_step()
+                    continue
+                if not found:
                     await self._finish_behind()
                     await self._idle()
             await self._finish_behind()
@@ -238,6 +253,16 @@ class Writer:
             found = True
             await self._process(source, work)
         return found
+
+    async def _chore_step(self) -> None:
+        assert self._chore is not None
+        try:
+            self._chore_left = await self._chore()
+        except Exception as exc:  # the store's passing trouble waits; anything else is loud
+            if classify(exc) is not Fault.TRANSIENT:
+                raise
+            self._chore_after = self._clock() + CHORE_RETRY_S
+            log.warning("writer_chore_retry", error=describe(exc))
 
     async def _idle(self) -> None:
         self._wake.clear()

@@ -165,10 +165,17 @@ def check_sources(preview: PrefetchPreview, case: tuple[str | None, str, str],
             assert line.text == f"- {line.role}: {content}"
         elif line.origin == "search":
             assert line.message_id is not None and line.rank is not None
+            # The hit's message, whole (these are short), and beside it only messages of
+            # the same session of the same user, each as "role: text".
             _, _, text = line.text.partition("] ")
-            words = text.replace("…", " ").split()
             flat = " ".join(messages[line.message_id][3].split())
-            assert words and all(word in flat for word in words), (words, flat)
+            assert flat and flat in text, (text, flat)
+            m_session, m_user, _, _ = messages[line.message_id]
+            theirs = {f"{role}: {' '.join(c.split())}" for s, u, role, c in messages.values()
+                      if (s, u) == (m_session, m_user)}
+            parts = text.split(" | ")
+            if len(parts) > 1:
+                assert all(part in theirs for part in parts), (parts, theirs)
         elif line.origin == "procedural":
             assert line.tool in (None, "read_file", "web_search")
     ranks = [line.rank for line in lines if line.origin == "search"]
@@ -210,9 +217,12 @@ async def test_the_preview_is_what_prefetch_returns_with_each_lines_source(
     assert guidance.tool == "read_file"
     section = next(line for line in a1.lines if line.text == '<tool name="web_search">')
     assert section.tool == "web_search"
-    # The best hits say what the recent turns show: left out, as the cache leaves them out.
-    [hit] = [line for line in a1.lines if line.origin == "search"]
-    assert hit.rank == 3 and "market open on sunday" in hit.text
+    # Each hit shows with the messages beside it in its session; the second best says the
+    # same words as the best (the same request, made twice): one line shows them.
+    hits = [line for line in a1.lines if line.origin == "search"]
+    assert [hit.rank for hit in hits] == [1, 3]
+    assert hits[0].text.endswith("assistant: yes, until two | user: read my lisbon food notes")
+    assert "user: is the lisbon food market open on sunday" in hits[1].text
 
     # The script tag is text: shown as stored, by lines that name its message.
     [recent] = [line for line in alone["ann", "a2", "lisbon pastries script alert"].lines

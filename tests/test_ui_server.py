@@ -213,7 +213,7 @@ async def test_a_search_of_only_common_words_over_everyone_shows_the_newest_firs
 
     from hermes_async_memory import MemoryPipeline, Settings
 
-    settings = Settings(db_path=tmp_path / "m.db")
+    settings = Settings(db_path=tmp_path / "m.db", frequent_term_rows=50)
     async with MemoryPipeline(settings) as mem:
         for i in range(120):  # "weather" is in 120 messages: frequent (over 50)
             mem.sync_turn(f"weather report {i}" + (" zanzibar" if i == 7 else ""), "noted",

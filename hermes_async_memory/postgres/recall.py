@@ -42,7 +42,8 @@ async def recall_block(pool: Any, request: RecallRequest, settings: Settings) ->
     Raises:
         the driver's errors (the caller maps them: ``pool.database_errors``).
     """
-    terms = query_terms(request.query, frozenset(), settings.recall_max_terms, fold=str.lower)
+    terms = query_terms(request.query, frozenset(), settings.recall_max_terms, fold=str.lower,
+                        stems=False)
     if not terms:
         return ""
     if request.user_id:

@@ -400,10 +400,17 @@ def _kept_hits(lines: list[str], shown: str) -> list[int]:
     for index in range(1, len(lines)):
         _, sep, text = lines[index].partition("] ")
         core = " ".join(text.replace("…", " ").split())
-        if sep and core and core in shown:
+        if sep and core and (core in shown or _all_shown(core, shown)):
             continue
         kept.append(index)
     return kept
+
+
+def _all_shown(core: str, shown: str) -> bool:
+    """Whether a hit's line with the messages beside it (``role: text`` parts joined by
+    `` | ``) shows only what the recent turns show (``- role: text`` lines)."""
+    parts = core.split(" | ")
+    return len(parts) > 1 and all(f"- {part}" in shown for part in parts)
 
 
 def _clip(text: str, limit: int) -> str:

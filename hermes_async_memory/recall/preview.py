@@ -121,7 +121,8 @@ async def preview_prefetch(store: SqliteStore, settings: Settings, *, user_id: s
         if frequent_terms is None:
             frequent_terms = await store.read_frequent_terms(settings.frequent_term_rows,
                                                              settings.frequent_term_ratio)
-        terms = tuple(query_terms(query, frequent_terms, settings.recall_max_terms))
+        terms = tuple(query_terms(query, frequent_terms, settings.recall_max_terms,
+                                  stems=store.word_index_stems))
         recall = await _recall_lines(store, settings, user_id, session_id, terms)
     recall_block = "\n".join([line.text for line in recall])
     out = []
@@ -146,7 +147,7 @@ async def _recall_lines(store: SqliteStore, settings: Settings, user_id: str | N
     lines with their sources."""
     hits = await search_hits(store, terms, scope_token_for(user_id, session_id),
                              limit=settings.recall_limit,
-                             snippet_tokens=settings.recall_snippet_tokens)
+                             chars_per_hit=settings.recall_chars_per_hit)
     rank = {hit.message_id: n for n, hit in enumerate(hits, 1)}
     lines = []
     shown = list(hit_lines(hits))

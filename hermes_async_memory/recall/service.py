@@ -34,7 +34,15 @@ from ..procedural.format import ContextSettings
 from ..store import Hit, SqliteStore, StoredTurn
 from ..turns import scope_token_for
 from .cache import CacheKey, RecallCache
-from .query import match_expression, query_terms, render_hits, with_procedural
+from .query import (
+    fill_lines,
+    match_expression,
+    pool_size,
+    query_terms,
+    rank_windows,
+    render_hits,
+    with_procedural,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +71,7 @@ class LocalRecaller:
     """Answers recalls in this process: the backend first when it recalls, else the store."""
 
     def __init__(self, store: SqliteStore, backend: Backend, *, limit: int, max_terms: int,
-                 snippet_tokens: int, observer: PipelineObserver,
+                 chars_per_hit: int, observer: PipelineObserver,
                  procedural: ContextSettings | None = None) -> None:
         self._store = store
         # The procedural block appended for the session (its tools' record in the log).
@@ -71,7 +79,7 @@ class LocalRecaller:
         self._backend = backend
         self._limit = limit
         self._max_terms = max_terms
-        self._snippet_tokens = snippet_tokens
+        self._chars_per_hit = chars_per_hit
         self._observer = observer
         self._inflight: dict[tuple[str, tuple[str, ...], str], asyncio.Future[Recalled]] = {}
         self.runs = 0
@@ -99,7 +107,8 @@ class LocalRecaller:
 
     async def _recall(self, query: str, user_id: str | None, session_id: str) -> Recalled:
         scope = scope_token_for(user_id, session_id)
-        terms = tuple(query_terms(query, self._store.frequent_terms, self._max_terms))
+        terms = tuple(query_terms(query, self._store.frequent_terms, self._max_terms,
+                                  stems=self._store.word_index_stems))
         # One user's identical recalls share one search; a backend's recall is per session.
         key = (scope, terms, session_id if self._backend.recalls else "")
         running = self._inflight.get(key)
@@ -153,17 +162,26 @@ class LocalRecaller:
 
     async def search(self, terms: Sequence[str], scope: str, limit: int) -> str:
         return render_hits(await search_hits(self._store, terms, scope, limit=limit,
-                                             snippet_tokens=self._snippet_tokens))
+                                             chars_per_hit=self._chars_per_hit))
 
 
 async def search_hits(store: SqliteStore, terms: Sequence[str], scope: str, *, limit: int,
-                      snippet_tokens: int) -> list[Hit]:
+                      chars_per_hit: int) -> list[Hit]:
     """The local recall's search: the scope's messages matching any of ``terms`` (none when
-    there are no terms), best first."""
+    there are no terms), best first by their window's score (``query.rank_windows``), each
+    with the messages beside it that fit in ``chars_per_hit * limit`` characters
+    (``query.fill_lines``)."""
     if not terms:
         return []
-    return await store.search(match_expression(terms, scope), limit=limit,
-                              snippet_tokens=snippet_tokens)
+    pool = await store.recall_pool(match_expression(terms, scope), pool_size(limit))
+    if not pool:
+        return []
+    ranked = rank_windows(pool)
+    wanted = {row.message_id for row in ranked}
+    for row in ranked:
+        wanted.update(i for i in (row.before, row.after) if i is not None)
+    texts = await store.message_texts(sorted(wanted))
+    return fill_lines(ranked, texts, terms, limit=limit, budget=chars_per_hit * limit)
 
 
 async def stored_recent_turns(store: SqliteStore, user_id: str | None, session_id: str,

@@ -22,7 +22,7 @@ from .inbox import Inbox
 from .keys import DoneKeys
 from .lifecycle import Lifecycle
 from .memories import EntryRow, Memories
-from .messages import Hit, Messages, StoredTurn
+from .messages import Hit, Messages, PoolRow, Said, StoredTurn
 from .recalls import Recalls
 from .replica import ReplicaOutbox, ReplicaRow
 from .schema import SCHEMA, SCHEMA_VERSION
@@ -54,7 +54,9 @@ __all__ = [
     "EntryRow",
     "Hit",
     "InvalidFilterError",
+    "PoolRow",
     "ReplicaRow",
+    "Said",
     "SessionFilter",
     "SqliteStore",
     "StoredTurn",

@@ -40,6 +40,7 @@ from ..faults import (
 )
 from ..message_ids import MessageIds
 from .schema import check_current, check_tables, migrate
+from .text_index import Reindex, word_reindex_state
 from .tool_log import OUTCOME_FUNCTION, ToolLogConfig, outcome_function
 
 log = structlog.get_logger(__name__)
@@ -117,6 +118,11 @@ class Connections:
         self._readers: asyncio.Queue[aiosqlite.Connection] = asyncio.Queue()
         self._all_readers: list[aiosqlite.Connection] = []
         self.frequent_terms: frozenset[str] = frozenset()
+        self._frequent_args: tuple[int, float] | None = None
+        # Whether the word index the searches read stems its words (version 12); until then
+        # the rebuild under way (``text_index``), else None.
+        self.word_index_stems = True
+        self.reindex: Reindex | None = None
         # The replica backend whose outbox each commit fills (None: no backend).
         self.replica: str | None = None
         # Whether key-value records go to that backend too (the Honcho key-value backend).
@@ -169,6 +175,8 @@ class Connections:
                 self._all_readers.append(conn)
                 self._readers.put_nowait(conn)
             await check_tables(self._writer)
+            self.reindex = await word_reindex_state(self._writer)
+            self.word_index_stems = self.reindex is None
             async with self._writer.execute(
                     "SELECT max(coalesce((SELECT max(id) FROM messages), 0), "
                     "coalesce((SELECT max(high) FROM message_id_high), 0))") as cur:
@@ -212,6 +220,8 @@ class Connections:
                 self._readers.put_nowait(conn)
                 await conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
             await check_current(self._all_readers[0], self.path)
+            self.reindex = await word_reindex_state(self._all_readers[0])
+            self.word_index_stems = self.reindex is None
         except sqlite3.Error as exc:
             await self.aclose()
             if sqlite_code(exc) in (SQLITE_CORRUPT, SQLITE_NOTADB):

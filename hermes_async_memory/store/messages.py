@@ -8,31 +8,68 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from ..errors import LeaseLostError
 from ..turns import Turn
 from .batch import INSERT_MESSAGE_ROW, INSERT_MESSAGES, Batch
 from .connections import Connections, rollback
 from .sql import KEY_CHUNK, SESSION_MESSAGES, decode_message, fetch_dicts, single_statements
+from .text_index import word_reindex_step
 
-SEARCH = """
-SELECT m.id, m.session_id, m.role, m.timestamp,
-       snippet(messages_fts, 0, '', '', '…', ?) AS snip
-FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid
-WHERE messages_fts MATCH ?
-ORDER BY rank
-LIMIT ?
+log = structlog.get_logger(__name__)
+
+# A recall's candidates: the best ``?`` messages of the MATCH by bm25, each with the ids of
+# the messages before and after it in its session that are in its scope too (another user
+# may send the same session id: their messages are never shown). idx_messages_session: a
+# seek each way, then a step over any other scope's messages.
+RECALL_POOL = """
+WITH hits AS MATERIALIZED (
+    SELECT rowid AS id, rank FROM messages_fts WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?
+)
+SELECT h.id, m.session_id, h.rank,
+       (SELECT max(p.id) FROM messages AS p
+        WHERE p.session_id = m.session_id AND p.id < h.id AND p.scope = m.scope),
+       (SELECT min(n.id) FROM messages AS n
+        WHERE n.session_id = m.session_id AND n.id > h.id AND n.scope = m.scope)
+FROM hits AS h JOIN messages AS m ON m.id = h.id
+ORDER BY h.rank
 """
 
 
 @dataclass(frozen=True, slots=True)
+class Said:
+    """A message shown beside a recalled one: the one before or after it in its session."""
+
+    message_id: int
+    role: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class Hit:
-    """One recalled message."""
+    """One recalled message (its text, whole or the part around what matched), with the
+    messages shown beside it."""
 
     message_id: int
     session_id: str
     role: str
     timestamp: float
     snippet: str
+    before: tuple[Said, ...] = ()
+    after: tuple[Said, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRow:
+    """A recall's candidate: a matching message, its bm25 rank (lower is better) and the
+    ids of its neighbours in its session (None at either end)."""
+
+    message_id: int
+    session_id: str
+    rank: float
+    before: int | None
+    after: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,17 +150,47 @@ class Messages(Connections):
             held += int(row[0]) if row else 0
         return held == len(ids)
 
-    async def search(self, match: str, *, limit: int, snippet_tokens: int) -> list[Hit]:
-        """Run one FTS5 MATCH expression (already quoted and scoped by the caller)."""
-        async with self.reader() as db, db.execute(SEARCH, (snippet_tokens, match, limit)) as cur:
+    async def recall_pool(self, match: str, pool: int) -> list[PoolRow]:
+        """A recall's candidates for one FTS5 MATCH expression (quoted and scoped by the
+        caller), best first (``RECALL_POOL``)."""
+        async with self.reader() as db, db.execute(RECALL_POOL, (match, pool)) as cur:
             rows = await cur.fetchall()
-        return [Hit(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+        return [PoolRow(int(r[0]), r[1], float(r[2]), r[3], r[4]) for r in rows]
+
+    async def message_texts(self, ids: Sequence[int]) -> dict[int, tuple[str, float, str]]:
+        """Role, timestamp and content of each of the messages ``ids`` that is stored."""
+        out: dict[int, tuple[str, float, str]] = {}
+        async with self.reader() as db:
+            for i in range(0, len(ids), KEY_CHUNK):
+                chunk = [int(x) for x in ids[i:i + KEY_CHUNK]]
+                async with db.execute(
+                        "SELECT id, role, timestamp, content FROM messages WHERE id IN "
+                        f"({','.join('?' * len(chunk))})", chunk) as cur:
+                    for r in await cur.fetchall():
+                        out[int(r[0])] = (r[1], float(r[2]), r[3] or "")
+        return out
 
     async def refresh_frequent_terms(self, min_rows: int, ratio: float = 0.0) -> frozenset[str]:
         """Terms in more than ``max(min_rows, ratio * messages)`` messages: too common to
         rank on (``read_frequent_terms``), kept as ``frequent_terms`` for the recalls."""
+        self._frequent_args = (min_rows, ratio)
         self.frequent_terms = await self.read_frequent_terms(min_rows, ratio)
         return self.frequent_terms
+
+    async def reindex_chore(self) -> bool:
+        """One slice of the word index's rebuild (``text_index.word_reindex_step``), for the
+        writer to run between its batches; whether more is left. The last one swaps the
+        stemming index in, and the frequent terms are read anew from it."""
+        if self.reindex is None:
+            return False
+        self.reindex = await word_reindex_step(self.writer)
+        if self.reindex is not None:
+            return True
+        self.word_index_stems = True
+        log.info("word_index_rebuilt")
+        if self._frequent_args is not None:
+            await self.refresh_frequent_terms(*self._frequent_args)
+        return False
 
     async def read_frequent_terms(self, min_rows: int, ratio: float = 0.0) -> frozenset[str]:
         """Terms in more than ``max(min_rows, ratio * messages)`` messages. A scan of the

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import aiosqlite
 
 from ..errors import StoreError
-from .text_index import ensure_tool_index, ensure_trigram
+from .text_index import (
+    WORD_TOKENIZER,
+    ensure_tool_index,
+    ensure_trigram,
+    start_word_reindex,
+)
 from .tool_log import TEMP_TABLES as TOOL_LOG_TEMP_TABLES
 from .tool_log import ToolLogConfig, prepare, range_log_statements
 
@@ -36,7 +42,10 @@ from .tool_log import ToolLogConfig, prepare, range_log_statements
 #    text_index.ensure_tool_index): new tables and a column.
 # 11: a tool call may await its answer in a later record (tool_calls.awaiting, and its
 #    index idx_tool_calls_awaiting, made by tool_log.prepare): an added column and index.
-SCHEMA_VERSION = 11
+# 12: the word index stems its words (porter over unicode61). An older store's index is
+#    rebuilt beside it in slices while the store works, then swapped in
+#    (text_index.start_word_reindex; its plan in index_rebuild, a new table).
+SCHEMA_VERSION = 12
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -85,7 +94,7 @@ CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, id);
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
     content, scope,
     content='messages', content_rowid='id',
-    tokenize='unicode61 remove_diacritics 2'
+    tokenize='""" + WORD_TOKENIZER + """'
 );
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_vocab USING fts5vocab(messages_fts, 'col');
 CREATE TRIGGER IF NOT EXISTS messages_fts_delete AFTER DELETE ON messages BEGIN
@@ -424,6 +433,7 @@ async def migrate(db: aiosqlite.Connection, path: Path,
     await prepare(db, tool_log)  # the tool log's awaiting calls
     await ensure_trigram(db)
     await ensure_tool_index(db)
+    await start_word_reindex(db, time.time())
     await db.executescript(LEASE_GUARD)
 
 

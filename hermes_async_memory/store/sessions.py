@@ -214,6 +214,7 @@ class SessionQueries(Connections):
         session_id: str | None = None, user_id: str | None = None, no_user: bool = False,
         limit: int = 20, offset: int = 0, snippet_tokens: int = 32, newest: bool = False,
         text: TextQuery | None = None, tool_match: str | None = None,
+        marks: tuple[str, str] = (SNIPPET_OPEN, SNIPPET_CLOSE),
     ) -> list[dict[str, Any]]:
         """Messages matching ``match`` (an FTS5 expression the caller built, quoted and
         scoped), best first (bm25, then id), or with ``newest`` the latest stored first
@@ -232,8 +233,8 @@ class SessionQueries(Connections):
         The snippet is cut by the library around the first match, every string marked.
 
         Each row: id, session_id, user_id, role, tool_name, timestamp, source, model,
-        snippet (matched words between ``SNIPPET_OPEN`` and ``SNIPPET_CLOSE``; a phrase
-        marked once, whole), score (bm25: lower is better), and the message before and after
+        snippet (matched words between ``marks``, by default ``SNIPPET_OPEN`` and
+        ``SNIPPET_CLOSE``; a phrase marked once, whole), score (bm25: lower is better), and the message before and after
         it in its own session (before_role, before_content, after_role, after_content; None
         at either end), their text cut to ``CONTEXT_CHARS`` characters.
 
@@ -246,10 +247,18 @@ class SessionQueries(Connections):
         these; ``roles``: only these roles; ``session_id``/``user_id``: only that session's
         or user's messages; ``no_user``: only messages stored without a user.
 
+        ``marks``: (open, close) around each match instead of ``>>>`` and ``<<<``, for a
+        reader that must tell a mark from stored text holding the same characters (the
+        inspector asks for marks no message holds, and renders each match as HTML).
+
         Raises:
+            ValueError: a mark is empty or holds U+0000.
             sqlite3.OperationalError: SQLite refused ``match`` ("fts5: syntax error ...") or
                 could not read.
         """
+        open_mark, close_mark = marks
+        if not open_mark or not close_mark or "\x00" in open_mark + close_mark:
+            raise ValueError("a snippet's marks must be non-empty text without U+0000")
         filters: list[str] = []
         params: list[Any] = []
         if sources is not None:
@@ -273,12 +282,13 @@ class SessionQueries(Connections):
             return await self._search_text(
                 text, filters, params, session_id=session_id, user_id=user_id, limit=limit,
                 offset=offset, chars=TEXT_SNIPPET_CHARS_PER_TOKEN * snippet_tokens,
-                newest=newest)
+                newest=newest, marks=marks)
         order = "h.id DESC" if newest else "h.score, h.id"
-        marked = _MARKED.format(open=SNIPPET_OPEN, close=SNIPPET_CLOSE,
-                                ellipsis=SNIPPET_ELLIPSIS,
-                                tail_chars=len(SNIPPET_CLOSE + SNIPPET_ELLIPSIS))
-        marks = dict(open=SNIPPET_OPEN, close=SNIPPET_CLOSE, ellipsis=SNIPPET_ELLIPSIS,
+        # The marks go into the statement as SQL text (quotes doubled), as the ellipsis does.
+        open_sql, close_sql = (m.replace("'", "''") for m in marks)
+        marked = _MARKED.format(open=open_sql, close=close_sql, ellipsis=SNIPPET_ELLIPSIS,
+                                tail_chars=len(close_mark + SNIPPET_ELLIPSIS))
+        shape = dict(open=open_sql, close=close_sql, ellipsis=SNIPPET_ELLIPSIS,
                      filters="".join(f"\n      AND {f}" for f in filters),
                      neighbours=_NEIGHBOURS.format(chars=CONTEXT_CHARS, order=order,
                                                    extra=marked),
@@ -292,9 +302,9 @@ class SessionQueries(Connections):
                 page_join = _PAGE_JOIN_MESSAGES
                 if sources is not None or exclude_sources:
                     page_join += _PAGE_JOIN_SESSIONS
-            sql = _SEARCH_ALL.format(page_join=page_join, **marks)
+            sql = _SEARCH_ALL.format(page_join=page_join, **shape)
         else:
-            sql = _SEARCH.format(**marks)
+            sql = _SEARCH.format(**shape)
 
         def arguments(expr: str, n: int, skip: int) -> list[Any]:
             if everyone:
@@ -316,13 +326,13 @@ class SessionQueries(Connections):
         for r in rows:
             marked = r.pop("marked")
             if marked is not None:
-                r["snippet"] = _uncut(r["snippet"], marked)
+                r["snippet"] = _uncut(r["snippet"], marked, close_mark)
         return rows
 
     async def _search_text(
         self, text: TextQuery, filters: list[str], params: list[Any], *,
         session_id: str | None, user_id: str | None, limit: int, offset: int, chars: int,
-        newest: bool,
+        newest: bool, marks: tuple[str, str],
     ) -> list[dict[str, Any]]:
         """``search_messages`` for substrings: the trigram index, else LIKE (see there)."""
         # The AND'ed parts the trigram index answers (all of them or none when the query can
@@ -362,7 +372,7 @@ class SessionQueries(Connections):
                     limit=limit, offset=offset, tail=tail))
         pattern = _needle_pattern(needles)
         for r in rows:
-            r["snippet"] = _text_snippet(r, pattern, chars)
+            r["snippet"] = _text_snippet(r, pattern, chars, marks)
         return rows
 
     async def list_sessions(self, *, source: str | None = None, user_id: str | None = None,
@@ -608,9 +618,10 @@ def _needle_pattern(needles: Sequence[str]) -> re.Pattern[str] | None:
     return re.compile("|".join(re.escape(n) for n in needles), re.IGNORECASE)
 
 
-def _text_snippet(row: dict[str, Any], pattern: re.Pattern[str] | None, chars: int) -> str:
+def _text_snippet(row: dict[str, Any], pattern: re.Pattern[str] | None, chars: int,
+                  marks: tuple[str, str]) -> str:
     """A substring hit's snippet: about ``chars`` characters of its text around its first
-    match, every match in it between the marks, never one cut; ``SNIPPET_ELLIPSIS`` where
+    match, every match in it between ``marks``, never one cut; ``SNIPPET_ELLIPSIS`` where
     text was left out. Takes the row's window columns out of ``row``."""
     window: str = row.pop("snippet") or ""
     start = int(row.pop("snippet_from") or 1) - 1  # where the window starts in the text
@@ -631,7 +642,7 @@ def _text_snippet(row: dict[str, Any], pattern: re.Pattern[str] | None, chars: i
     at = lo
     for a, b in spans:
         if a >= lo and b <= hi:
-            out += [window[at:a], SNIPPET_OPEN, window[a:b], SNIPPET_CLOSE]
+            out += [window[at:a], marks[0], window[a:b], marks[1]]
             at = b
     out.append(window[at:hi])
     if start + hi < total:
@@ -639,15 +650,15 @@ def _text_snippet(row: dict[str, Any], pattern: re.Pattern[str] | None, chars: i
     return "".join(out)
 
 
-def _uncut(snippet: str, marked: str) -> str:
-    """``snippet`` (a word snippet ending in a mark and an ellipsis) with its last match
-    whole, from ``marked`` (the whole text, matches marked): FTS5 closes a match's mark where
-    the snippet ends, inside a phrase."""
+def _uncut(snippet: str, marked: str, close: str) -> str:
+    """``snippet`` (a word snippet ending in a ``close`` mark and an ellipsis) with its last
+    match whole, from ``marked`` (the whole text, matches marked): FTS5 closes a match's mark
+    where the snippet ends, inside a phrase."""
     lead = SNIPPET_ELLIPSIS if snippet.startswith(SNIPPET_ELLIPSIS) else ""
-    body = snippet[len(lead):-len(SNIPPET_CLOSE + SNIPPET_ELLIPSIS)]
+    body = snippet[len(lead):-len(close + SNIPPET_ELLIPSIS)]
     at = marked.find(body)
-    end = -1 if at < 0 else marked.find(SNIPPET_CLOSE, at + len(body))
+    end = -1 if at < 0 else marked.find(close, at + len(body))
     if not body or end < 0:
         return snippet
-    end += len(SNIPPET_CLOSE)
+    end += len(close)
     return lead + marked[at:end] + (SNIPPET_ELLIPSIS if end < len(marked) else "")

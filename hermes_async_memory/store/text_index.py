@@ -48,8 +48,11 @@ from __future__ import annotations
 import contextlib
 import re
 import sqlite3
+from dataclasses import dataclass
 
 import aiosqlite
+
+from .sql import single_statements
 
 # What the trigram index serves: the scripts written without spaces between words, or with
 # particles attached (Hangul). Code points, inclusive: Hangul Jamo; CJK radicals, symbols
@@ -241,3 +244,155 @@ async def _rollback(db: aiosqlite.Connection) -> None:
     """Undo the open transaction, if one is (the error being raised is the one to see)."""
     with contextlib.suppress(sqlite3.Error, ValueError):
         await db.execute("ROLLBACK")
+
+
+# -- the word index's tokenizer, and its rebuild -----------------------------------------
+#
+# The word index stems its words (SQLite's porter over unicode61): "running" and "runs" are
+# found by "run", the same folding on both sides (FTS5 stems a query's words with the
+# index's tokenizer). A store made before version 12 has an index
+# without stemming; it is rebuilt beside the old one, in slices, while the store works:
+#   - at open, ``start_word_reindex`` makes the new index (``messages_stem``), a trigger
+#     that indexes every message inserted from then on (any connection, any path), one
+#     that removes a deleted message it holds, and the plan (``index_rebuild``: the highest
+#     message id when it started; everything up to it is for the slices);
+#   - ``word_reindex_step`` indexes the next slice of those messages (the writer runs one
+#     between batches, so it never waits on the writer's lock and never blocks accept);
+#     a message indexed already (an import under an old id) is left out;
+#   - the last step swaps the new index in under the old one's name, in one transaction.
+# Until then searches read the old index: recall answers as before, never from half an
+# index.
+WORD_TOKENIZER = "porter unicode61 remove_diacritics 2"
+REINDEX_SLICE = 2_000
+STEM_TABLE = """
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_stem USING fts5(
+    content, scope, content='messages', content_rowid='id',
+    tokenize='""" + WORD_TOKENIZER + """'
+);
+INSERT INTO messages_stem (messages_stem, rank) VALUES ('rank', 'bm25(1.0, 0.0)');
+CREATE TABLE IF NOT EXISTS index_rebuild (
+    name TEXT PRIMARY KEY,
+    upto INTEGER NOT NULL,  -- the messages up to this id are the slices' (the rest: trigger)
+    done INTEGER NOT NULL,  -- indexed up to this id
+    total INTEGER NOT NULL, -- messages to index at the start, for progress
+    indexed INTEGER NOT NULL DEFAULT 0,
+    started_at REAL NOT NULL
+);
+CREATE TRIGGER IF NOT EXISTS messages_stem_insert AFTER INSERT ON messages BEGIN
+    INSERT INTO messages_stem (rowid, content, scope) VALUES (new.id, new.content, new.scope);
+END;
+CREATE TRIGGER IF NOT EXISTS messages_stem_delete AFTER DELETE ON messages
+WHEN EXISTS (SELECT 1 FROM messages_stem_docsize WHERE id = old.id) BEGIN
+    INSERT INTO messages_stem (messages_stem, rowid, content, scope)
+    VALUES ('delete', old.id, old.content, old.scope);
+END;
+"""
+# The old index goes, the new one takes its name, its vocabulary and its delete trigger.
+WORD_INDEX_SWAP = """
+DROP TRIGGER IF EXISTS messages_stem_insert;
+DROP TRIGGER IF EXISTS messages_stem_delete;
+DROP TRIGGER IF EXISTS messages_fts_delete;
+DROP TABLE IF EXISTS messages_vocab;
+DROP TABLE IF EXISTS messages_fts;
+ALTER TABLE messages_stem RENAME TO messages_fts;
+CREATE VIRTUAL TABLE messages_vocab USING fts5vocab(messages_fts, 'col');
+CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content, scope)
+    VALUES ('delete', old.id, old.content, old.scope);
+END;
+DELETE FROM index_rebuild WHERE name = 'messages_fts';
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Reindex:
+    """A rebuild of the word index under way: messages indexed of those at its start."""
+
+    indexed: int
+    total: int
+    started_at: float
+
+    @property
+    def fraction(self) -> float:
+        return min(1.0, self.indexed / self.total) if self.total else 1.0
+
+
+async def word_index_stems(db: aiosqlite.Connection) -> bool:
+    """Whether the word index the searches read (``messages_fts``) stems its words."""
+    async with db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' "
+                          "AND name = 'messages_fts'") as cur:
+        row = await cur.fetchone()
+    return row is not None and "porter" in str(row[0]).lower()
+
+
+async def start_word_reindex(db: aiosqlite.Connection, now: float) -> None:
+    """A store whose word index does not stem (made before version 12): begin its rebuild,
+    in one transaction (see above). Nothing to do when it stems or a rebuild is under way."""
+    if await word_index_stems(db) or await word_reindex_state(db) is not None:
+        return
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        await db.execute("DROP TABLE IF EXISTS messages_stem")  # a start cut short: anew
+        for statement in single_statements(STEM_TABLE):
+            await db.execute(statement)
+        await db.execute(
+            "INSERT INTO index_rebuild (name, upto, done, total, started_at) "
+            "SELECT 'messages_fts', coalesce(max(id), 0), 0, count(*), ? FROM messages",
+            (now,))
+        await db.execute("COMMIT")
+    except BaseException:
+        await _rollback(db)
+        raise
+
+
+async def word_reindex_state(db: aiosqlite.Connection) -> Reindex | None:
+    """The rebuild under way, or None."""
+    if not await _exists(db, "table", "index_rebuild"):
+        return None
+    async with db.execute("SELECT indexed, total, started_at FROM index_rebuild "
+                          "WHERE name = 'messages_fts'") as cur:
+        row = await cur.fetchone()
+    return None if row is None else Reindex(int(row[0]), int(row[1]), float(row[2]))
+
+
+async def word_reindex_step(db: aiosqlite.Connection, slice_rows: int | None = None
+                            ) -> Reindex | None:
+    """Index the next slice of the messages the rebuild has left, in one transaction; the
+    last one swaps the new index in. Returns the rebuild's progress, None once it is done.
+    Run on the writer's connection, between its batches. ``slice_rows``: REINDEX_SLICE."""
+    slice_rows = REINDEX_SLICE if slice_rows is None else slice_rows
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        async with db.execute("SELECT upto, done FROM index_rebuild "
+                              "WHERE name = 'messages_fts'") as cur:
+            row = await cur.fetchone()
+        if row is None:
+            await db.execute("COMMIT")
+            return None
+        upto, done = int(row[0]), int(row[1])
+        async with db.execute(
+                "SELECT max(id), count(*) FROM (SELECT id FROM messages WHERE id > ? "
+                "AND id <= ? ORDER BY id LIMIT ?)", (done, upto, slice_rows)) as cur:
+            last, n = await cur.fetchone()  # type: ignore[misc]
+        if not n:
+            for statement in single_statements(WORD_INDEX_SWAP):
+                await db.execute(statement)
+            await db.execute("COMMIT")
+            return None
+        await db.execute(
+            "INSERT INTO messages_stem (rowid, content, scope) "
+            "SELECT id, content, scope FROM messages AS m WHERE id > ? AND id <= ? "
+            "AND NOT EXISTS (SELECT 1 FROM messages_stem_docsize AS d WHERE d.id = m.id)",
+            (done, int(last)))
+        await db.execute("UPDATE index_rebuild SET done = ?, indexed = indexed + ? "
+                         "WHERE name = 'messages_fts'", (int(last), int(n)))
+        async with db.execute("SELECT indexed, total, started_at FROM index_rebuild "
+                              "WHERE name = 'messages_fts'") as cur:
+            state = await cur.fetchone()
+        await db.execute("COMMIT")
+    except BaseException:
+        await _rollback(db)
+        raise
+    assert state is not None
+    return Reindex(int(state[0]), int(state[1]), float(state[2]))
+
