@@ -1,8 +1,8 @@
 """The memory inspector in a real headless Chromium (Debian's), against a store filled by the
 library's own API (tests/ui_fixtures.py): every view shows what a person needs, stored markup
-stays text, the pages work with JavaScript off, the charts draw from the vendored script
-under the page's Content-Security-Policy, and replay without the token is refused. Each view
-leaves a screenshot in the artifacts folder (tests/browser.py)."""
+stays text, a search marks its matches, the pages work with JavaScript off, the charts draw
+from the vendored script under the page's Content-Security-Policy, and replay without the
+token is refused. Each view leaves a screenshot in the artifacts folder (tests/browser.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import Page, expect
 
+from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.ui.access import Access
 from hermes_async_memory.ui.server import serve_inspector
 
@@ -82,6 +83,61 @@ async def test_stored_markup_stays_text_everywhere_it_is_shown(page: Page, site:
         assert await page.title() != "owned", path
         assert await page.locator("main script").count() == 0, path
         assert await page.locator("img[src='x']").count() == 0, path
+    log_of(page).assert_clean()
+
+
+# A message holding the session search's own marks, the page's mark element and a script.
+MARKUP = "walrus notes: >>>x<<< and <mark>y</mark> and <script>document.title='owned'</script>"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def marks_site(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """The inspector of a store of its own: two messages with the word walrus, one of them
+    MARKUP, and one in Chinese (searched as substrings, its snippet cut by the library)."""
+    settings = Settings(db_path=tmp_path_factory.mktemp("marks") / "memory.db")
+    async with MemoryPipeline(settings) as mem:
+        mem.sync_turn("the walrus sleeps on the ice", "It does.", session_id="s1",
+                      user_id="ada")
+        mem.sync_turn(MARKUP, "Stored as text.", session_id="s1", user_id="ada")
+        mem.sync_turn("我们把大别山项目计划书发给了老师", "好的。", session_id="s2",
+                      user_id="ada")
+        await mem.flush()
+    server = serve_inspector(settings, "127.0.0.1", 0, Access(None, loopback=True))
+    try:
+        yield server.url + "/ui"
+    finally:
+        server.close()
+
+
+async def test_a_search_shows_each_match_in_a_mark(page: Page, marks_site: str) -> None:
+    await page.goto(marks_site + "/search?q=walrus&user=ada")
+    snippets = page.locator("#hits .snippet")
+    await expect(snippets).to_have_count(2)
+    for i in range(2):
+        await expect(snippets.nth(i).locator("mark")).to_have_text(["walrus"])
+    await page.goto(marks_site + "/search?q=大别山&user=ada")
+    await expect(page.locator("#hits .snippet mark")).to_have_text(["大别山"])
+    await expect(page.locator("#hits .snippet")).to_have_text("我们把大别山项目计划书发给了老师")
+    await screenshot(page, "ui-search-marks")
+    log_of(page).assert_clean()
+
+
+async def test_stored_marks_and_markup_in_a_hit_show_as_text(page: Page, marks_site: str
+                                                            ) -> None:
+    """The session search's own >>> <<<, a <mark> and a <script> in a stored message are
+    its text: only the matched word is marked, and nothing runs."""
+    await page.goto(marks_site + "/search?q=walrus+script&user=ada")
+    snippet = page.locator("#hits .snippet")
+    await expect(snippet).to_have_count(1)
+    await expect(snippet).to_have_text(MARKUP)
+    await expect(snippet.locator("mark")).to_have_text(["walrus", "script", "script"])
+    assert await page.locator("main script").count() == 0
+    assert await page.title() != "owned"
+    # And a search for a word between the stored marks marks that word, inside them.
+    await page.goto(marks_site + "/search?q=x&user=ada")
+    await expect(snippet).to_have_text(MARKUP)
+    await expect(snippet.locator("mark")).to_have_text(["x"])
+    await screenshot(page, "ui-search-stored-markup")
     log_of(page).assert_clean()
 
 
@@ -181,3 +237,4 @@ async def test_the_worker_serves_live_health_and_draws_the_charts(page: Page, wo
     await expect(page.locator("#charts")).to_contain_text("Recall hit rate")
     await screenshot(page, "ui-worker-live")
     log_of(page).assert_clean()
+

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..blocking import run_blocking
 from ..errors import InvalidTurnError, PipelineClosedError, StoreError
+from ..store.sessions import SNIPPET_CLOSE, SNIPPET_OPEN
 from ..turns import check_id, scope_token_for
 from .search import (
     InvalidSearchError,
@@ -61,10 +62,10 @@ class SearchHit:
     """One matching message.
 
     ``snippet`` marks the matched words as ``>>>word<<<`` (``store.sessions.SNIPPET_OPEN``
-    and ``SNIPPET_CLOSE``) and stands ``…`` for text cut away. ``rank`` is FTS5's bm25 on
-    the message text (on its tool text, for a message found by that, whose snippet is
-    then of its tool text): lower is better. ``before`` and ``after`` are the messages next
-    to it in its own session (None at either end).
+    and ``SNIPPET_CLOSE``, or the ``marks`` the search was given) and stands ``…`` for text
+    cut away. ``rank`` is FTS5's bm25 on the message text (on its tool text, for a message
+    found by that, whose snippet is then of its tool text): lower is better. ``before`` and
+    ``after`` are the messages next to it in its own session (None at either end).
     """
 
     message_id: int
@@ -198,7 +199,7 @@ class SessionReads:
         syntax: str = "plain", sources: Sequence[str] | None = None,
         exclude_sources: Sequence[str] | None = None, roles: Sequence[str] | None = None,
         session_id: str | None = None, limit: int = 20, offset: int = 0,
-        order: str = "rank",
+        order: str = "rank", marks: tuple[str, str] = (SNIPPET_OPEN, SNIPPET_CLOSE),
     ) -> list[SearchHit]:
         """Messages matching ``query``, best first (bm25, then oldest), one page; with
         ``order="newest"`` the latest stored first, unranked (fast however many match). A
@@ -219,10 +220,15 @@ class SessionReads:
         Filters narrow that: ``sources`` (only sessions from these; an empty list: none),
         ``exclude_sources``, ``roles`` (only these roles), ``session_id``.
 
+        ``marks``: the (open, close) text around each match in a snippet. A stored message
+        may hold ``>>>`` itself; a reader that must tell a mark from text (the inspector,
+        which shows each match as HTML) asks for marks no message holds.
+
         Raises:
             InvalidSearchError: a malformed FTS5 query (says what and where), an unknown
                 ``syntax``, no user_id / session_id / all_users, a limit not 1 to 100, an
-                offset not 0 to 1,000,000, an invalid id or filter.
+                offset not 0 to 1,000,000, an invalid id or filter, an empty mark or one
+                holding U+0000.
             PipelineClosedError: the pipeline is not open.
             StoreError: the store could not be read.
         """
@@ -230,6 +236,9 @@ class SessionReads:
             raise InvalidSearchError(f"order must be 'rank' or 'newest', got {order!r}")
         if not isinstance(all_users, bool):
             raise InvalidSearchError(f"all_users must be a bool, got {type(all_users).__name__}")
+        if (not isinstance(marks, tuple) or len(marks) != 2
+                or not all(isinstance(m, str) and m and "\x00" not in m for m in marks)):
+            raise InvalidSearchError("marks must be two non-empty strings without U+0000")
         user = _id("user_id", user_id, optional=True)
         session = _id("session_id", session_id, optional=True)
         limit = _int("limit", limit, 1, MAX_SEARCH_LIMIT)
@@ -259,7 +268,8 @@ class SessionReads:
                 sources=only_sources, exclude_sources=not_sources, roles=only_roles,
                 session_id=session, user_id=user,
                 no_user=user is None and not all_users, limit=limit, offset=offset,
-                snippet_tokens=SNIPPET_TOKENS, newest=order == "newest", text=text)
+                snippet_tokens=SNIPPET_TOKENS, newest=order == "newest", text=text,
+                marks=marks)
         except sqlite3.OperationalError as exc:
             if is_fts5_syntax_error(exc):
                 raise InvalidSearchError(f"SQLite refused the query: {exc}") from exc

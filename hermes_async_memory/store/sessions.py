@@ -234,9 +234,10 @@ class SessionQueries(Connections):
 
         Each row: id, session_id, user_id, role, tool_name, timestamp, source, model,
         snippet (matched words between ``marks``, by default ``SNIPPET_OPEN`` and
-        ``SNIPPET_CLOSE``; a phrase marked once, whole), score (bm25: lower is better), and the message before and after
-        it in its own session (before_role, before_content, after_role, after_content; None
-        at either end), their text cut to ``CONTEXT_CHARS`` characters.
+        ``SNIPPET_CLOSE``; a phrase marked once, whole), score (bm25: lower is better), and
+        the message before and after it in its own session (before_role, before_content,
+        after_role, after_content; None at either end), their text cut to
+        ``CONTEXT_CHARS`` characters.
 
         ``tool_match``: also the messages whose tool text (``text_index``: the tool index)
         matches this expression (``match`` with ``tool_text`` for its column): the same

@@ -7,6 +7,10 @@ store's key-value reads, ``StoreReader`` for the dead letters, and ``preview_pre
 the recall preview. It runs on the inspector's own event loop (``ui.server``), never on the
 pipeline's: a slow page costs the page, not a turn.
 
+A search asks for snippets marked with ``private_marks`` (not the ``>>>``/``<<<`` Hermes
+gets, which a stored message may hold itself) and hands the page each snippet as (text,
+matched) parts: the template puts a matched part in ``<mark>``, and escapes every part.
+
 The one write, replaying dead letters, goes through the same calls as ``hermes-memory
 dead-letters replay``: ``SqliteStore.replay_dead_letters`` in the store's own transactions,
 and ``store.replica.requeue_dead_letters`` for a replica backend's.
@@ -14,6 +18,8 @@ and ``store.replica.requeue_dead_letters`` for a replica backend's.
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -72,6 +78,15 @@ class SessionView:
 
 
 @dataclass(frozen=True)
+class FoundMessage:
+    """A search hit as the page shows it: the hit, and its snippet as (text, matched) parts
+    in order, the matched words' parts True."""
+
+    hit: SearchHit
+    parts: tuple[tuple[str, bool], ...]
+
+
+@dataclass(frozen=True)
 class ReplayResult:
     replayed: list[str]
     failed: dict[str, str]
@@ -89,6 +104,7 @@ class InspectorReads:
         self._terms_read = anyio.Event()
         self.path = store.path
         self.sessions = FileSessionReads(store)
+        self.marks = private_marks()
         self.procedural = ProceduralMemory(store)
         self.templates = TemplateReads(store, settings.templates)
 
@@ -117,7 +133,7 @@ class InspectorReads:
     async def search(self, query: str, *, user_id: str | None, session_id: str | None,
                      sources: list[str] | None, exclude_sources: list[str] | None,
                      roles: list[str] | None, syntax: str, order: str, page: int
-                     ) -> tuple[str, list[SearchHit]]:
+                     ) -> tuple[str, list[FoundMessage]]:
         """(the order used, the hits). Over everyone's messages, plain words that are all
         frequent (in more messages than recall would search for) are shown newest first:
         ranking a fifth of the store takes longer than a page may (0.1 s of CPU a query at
@@ -132,8 +148,8 @@ class InspectorReads:
             query, user_id=user_id, session_id=session_id, all_users=everyone,
             syntax=syntax, sources=sources, exclude_sources=exclude_sources, roles=roles,
             limit=PAGE, offset=page * PAGE,
-            order="newest" if order in ("newest", "frequent") else order)
-        return order, hits
+            order="newest" if order in ("newest", "frequent") else order, marks=self.marks)
+        return order, [FoundMessage(h, snippet_parts(h.snippet, self.marks)) for h in hits]
 
     async def preview(self, *, user_id: str | None, session_id: str, query: str
                       ) -> PrefetchPreview:
@@ -209,6 +225,29 @@ class InspectorReads:
         entries, kv_users = await self._store.memory_counts()
         return {"sessions": sessions.sessions, "messages": sessions.messages,
                 "memory_entries": entries, "memory_users": kv_users}
+
+
+def private_marks() -> tuple[str, str]:
+    """(open, close) marks for a search's snippets that no stored message holds: private-use
+    characters around a random token, made once per inspector and never shown nor stored."""
+    token = secrets.token_hex(8)
+    return f"\ue000{token}\ue001", f"\ue002{token}\ue003"
+
+
+def snippet_parts(snippet: str, marks: tuple[str, str]) -> tuple[tuple[str, bool], ...]:
+    """``snippet`` (marked with ``marks``) as (text, matched) parts, in order, the marks left
+    out; no part is empty."""
+    open_mark, close_mark = marks
+    parts: list[tuple[str, bool]] = []
+    matched = False
+    for piece in re.split(f"({re.escape(open_mark)}|{re.escape(close_mark)})", snippet):
+        if piece == open_mark:
+            matched = True
+        elif piece == close_mark:
+            matched = False
+        elif piece:
+            parts.append((piece, matched))
+    return tuple(parts)
 
 
 @asynccontextmanager
