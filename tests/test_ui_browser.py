@@ -1,8 +1,9 @@
 """The memory inspector in a real headless Chromium (Debian's), against a store filled by the
 library's own API (tests/ui_fixtures.py): every view shows what a person needs, stored markup
 stays text, a search marks its matches, the pages work with JavaScript off, the charts draw
-from the vendored script under the page's Content-Security-Policy, and replay without the
-token is refused. Each view leaves a screenshot in the artifacts folder (tests/browser.py)."""
+from the vendored script under the page's Content-Security-Policy, replay without the token
+is refused, and the pipeline page shows the word index's rebuild after an upgrade. Each view
+leaves a screenshot in the artifacts folder (tests/browser.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hermes_async_memory.ui.server import serve_inspector
 
 from .browser import BROWSER_LOOP, log_of, screenshot
 from .conftest import NewContext
-from .ui_fixtures import HOSTILE, POISON, Fixture, fill_store, http_worker
+from .ui_fixtures import HOSTILE, POISON, Fixture, fill_store, http_worker, store_mid_reindex
 
 pytestmark = BROWSER_LOOP
 
@@ -238,3 +239,22 @@ async def test_the_worker_serves_live_health_and_draws_the_charts(page: Page, wo
     await screenshot(page, "ui-worker-live")
     log_of(page).assert_clean()
 
+
+async def test_the_pipeline_page_shows_the_word_index_rebuild_while_it_is_under_way(
+        page: Page, site: str, tmp_path: Path) -> None:
+    """A store upgraded from before the index stemmed, whose rebuild a stopped worker left
+    at 125 of its 1,200 messages: the page says how far it is; a store with none says
+    nothing of it."""
+    settings = await store_mid_reindex(tmp_path)
+    server = serve_inspector(settings, "127.0.0.1", 0, Access(None, loopback=True))
+    try:
+        await page.goto(server.url + "/ui")
+        await expect(page.locator("#store #reindex")).to_contain_text(
+            "Word index: rebuilding after an upgrade, 125 of 1,200 messages (10%)")
+        await screenshot(page, "ui-pipeline-reindex")
+    finally:
+        server.close()
+    await page.goto(site)
+    await expect(page.locator("#store")).to_contain_text("3 sessions")
+    await expect(page.locator("#reindex")).to_have_count(0)
+    log_of(page).assert_clean()

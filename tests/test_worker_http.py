@@ -20,11 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from hermes_async_memory import ConfigurationError, MemoryPipeline, Settings
 from hermes_async_memory.metrics import PipelineObserver
+from hermes_async_memory.store import text_index
 from hermes_async_memory.worker.http import HttpServer, PrometheusObserver, start_http_server
 from hermes_async_memory.worker.main import build_parser, http_from_args
 
 from .processes import Spawn
 from .test_supervisor import corrupt_store
+from .ui_fixtures import store_mid_reindex
 
 HTTP_TIMEOUT_S = 10.0
 # Short, for the test that holds the loop on purpose: the server must give up on it.
@@ -104,6 +106,28 @@ async def test_healthz_is_ok_with_the_queue_figures(
     assert body["deferred_turns"] == 0
     assert body["oldest_pending_age_s"] == 0
     assert body["dead_letters"] == 0
+    assert body["reindex_done"] == body["reindex_total"] == 0  # no rebuild under way
+
+
+async def test_healthz_shows_the_word_index_rebuild_while_it_is_under_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store upgraded from before the index stemmed, its rebuild at 125 of its 1,200
+    messages and held there (each slice the writer runs does nothing): /healthz says how
+    far it is."""
+    settings = await store_mid_reindex(tmp_path)
+
+    async def held(db, slice_rows=None):  # type: ignore[no-untyped-def]
+        return await text_index.word_reindex_state(db)
+
+    monkeypatch.setattr("hermes_async_memory.store.messages.word_reindex_step", held)
+    async with MemoryPipeline(settings) as mem:
+        server = start_http_server(mem, asyncio.get_running_loop(), port=0)
+        try:
+            status, body = await health(server.url)
+        finally:
+            await server.aclose()
+    assert status == 200
+    assert (body["reindex_done"], body["reindex_total"]) == (125, 1200)
 
 
 async def test_metrics_count_what_was_committed(mem: MemoryPipeline, served: HttpServer) -> None:

@@ -3,6 +3,9 @@
 Everything goes in through the library's public API (``sync_turn`` with OpenAI messages,
 session lifecycle, key-value memory, templates), and one turn is refused by the store, so a
 dead letter is there with its reason, as ``test_admin_cli`` makes one.
+
+``store_mid_reindex`` makes a store whose word index is being rebuilt after an upgrade, as a
+worker stopped part way through leaves it, for what the inspector and ``status`` show then.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from typing import Any
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.memory.api import KeyValueMemory
 from hermes_async_memory.sessions.lifecycle import SessionWrites
-from hermes_async_memory.store import Batch, SqliteStore
+from hermes_async_memory.store import Batch, SqliteStore, text_index
 from hermes_async_memory.templates.store import TemplateStore
+
+from .test_recall_relevance import make_old_store
 
 HOSTILE = "<script>document.title='owned'</script><img src=x onerror=alert(1)>"
 POISON = "POISON-TURN"
@@ -141,3 +146,26 @@ def http_worker(db: Path, *args: str, host: str = "127.0.0.1",
         watchdog.cancel()
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+async def store_mid_reindex(tmp: Path, *, turns: int = 600, indexed: int = 125) -> Settings:
+    """A store made before the word index stemmed (``make_old_store``: schema version 11)
+    with ``turns`` turns (two messages each), then opened once by this version, which
+    migrates it and starts the index's rebuild, and left after one slice of ``indexed``
+    messages: a worker stopped part way through. A read-only open (the inspector, ``status``)
+    does not go on with it, so the progress stays where it is."""
+    settings = Settings(db_path=tmp / "memory.db")
+    async with MemoryPipeline(settings) as mem:
+        for i in range(turns):
+            mem.sync_turn(f"turn {i} about painting fences", f"reply {i}",
+                          session_id=f"s{i % 7}", user_id="ada")
+        await mem.flush()
+    make_old_store(settings.db_path)
+    store = SqliteStore(settings.db_path)
+    await store.open()
+    try:
+        progress = await text_index.word_reindex_step(store.writer, indexed)
+    finally:
+        await store.aclose()
+    assert progress is not None and (progress.indexed, progress.total) == (indexed, 2 * turns)
+    return settings

@@ -1,5 +1,7 @@
-"""``hermes-memory status [--json]``: the store's counts, the outbox depth, the lag and the
-dead letters."""
+"""``hermes-memory status [--json]``: the store's counts, the outbox depth, the lag, the
+dead letters, and the word index's rebuild while one is under way (after an upgrade from a
+store made before the index stemmed: a worker or pipeline on the file rebuilds it in slices,
+and searches read the old index until it ends)."""
 
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ def register(commands: Any) -> None:
     """Add ``status`` to ``commands`` (argparse sub-parsers)."""
     status = commands.add_parser(
         "status", parents=[db_option(), json_option()],
-        help="counts, outbox depth, lag and dead letters",
+        help="counts, outbox depth, lag, dead letters, word index rebuild",
         description="Show the store's counts, the turns accepted but not committed yet (the "
-                    "outbox depth), the age of the oldest of them, and the dead letters. "
+                    "outbox depth), the age of the oldest of them, the dead letters, and "
+                    "the word index's rebuild after an upgrade while one is under way. "
                     "Reads only; works while a worker runs on the file.",
     )
     status.set_defaults(handler=guarded(_status))
@@ -100,6 +103,9 @@ def _status(args: argparse.Namespace) -> int:
         dead_letters=counts.outbox_table.get("dead", 0),
         outbox_table=counts.outbox_table,
         replicas=counts.replicas,
+        # Both 0 when no rebuild is under way, as in the pipeline's stats().
+        reindex_done=0 if counts.reindex is None else counts.reindex.indexed,
+        reindex_total=0 if counts.reindex is None else counts.reindex.total,
     )
     if args.json:
         print_json(report)
@@ -127,6 +133,8 @@ def _print_status(r: dict[str, Any]) -> None:
     rows.append(("lag", "-" if r["lag_s"] is None
                  else f"{age(r['lag_s'])} (the oldest turn not committed yet)"))
     rows.append(("dead letters", str(r["dead_letters"])))
+    if r["reindex_total"]:
+        rows.append(("word index", reindex_line(r["reindex_done"], r["reindex_total"])))
     rows.append(("outbox table", table))
     for backend, counts in r["replicas"].items():
         rows.append((f"replica {backend}", f"{counts['pending']} turns to send, "
@@ -134,3 +142,11 @@ def _print_status(r: dict[str, Any]) -> None:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name.ljust(width)}  {value}")
+
+
+def reindex_line(done: int, total: int) -> str:
+    """The word index's rebuild as a person reads it: "rebuilding, 125 of 1,200 messages
+    (10%); ..." (the share rounded down: 100% only once every message is indexed)."""
+    share = min(100, done * 100 // total) if total else 100
+    return (f"rebuilding, {done:,} of {total:,} messages ({share}%); searches read the old "
+            "index until it ends")

@@ -22,6 +22,7 @@ from urllib.parse import quote
 from ..errors import StoreError
 from .schema import REQUIRED_TABLES, SCHEMA_VERSION
 from .sql import KEY_CHUNK
+from .text_index import Reindex
 
 # The tables every store has had; the inbox and replica outbox came later and may be missing.
 
@@ -38,6 +39,8 @@ class StoreStatus:
     inbox_oldest: float | None = None  # when the oldest inbox turn was accepted
     # Per replica backend: {"pending": turns it lacks, "dead": its dead letters}.
     replicas: dict[str, dict[str, int]] = field(default_factory=dict)
+    # The word index's rebuild after an upgrade (text_index), while one is under way.
+    reindex: Reindex | None = None
 
 
 class StoreReader:
@@ -148,6 +151,12 @@ class StoreReader:
                         "SELECT backend, status, count(*) FROM replica_outbox "
                         "GROUP BY backend, status ORDER BY backend"):
                     status.replicas.setdefault(backend, {"pending": 0, "dead": 0})[state] = n
+            if "index_rebuild" in self._tables:
+                row = self._conn.execute(
+                    "SELECT indexed, total, started_at FROM index_rebuild "
+                    "WHERE name = 'messages_fts'").fetchone()
+                if row is not None:
+                    status.reindex = Reindex(int(row[0]), int(row[1]), float(row[2]))
         return status
 
     def _settled(self, keys: list[str]) -> set[str]:

@@ -88,6 +88,7 @@ def _environment() -> jinja2.Environment:
         autoescape=True, undefined=jinja2.ChainableUndefined, trim_blocks=True,
         lstrip_blocks=True)
     env.filters["when"] = _when
+    env.filters["thousands"] = lambda n: f"{n:,}"
     env.filters["json"] = lambda v: json.dumps(v, ensure_ascii=False, indent=1,
                                                sort_keys=True, default=str)
     env.globals.update(prefix=PREFIX, nav=NAV, page_size=PAGE)
@@ -207,10 +208,12 @@ class InspectorApp:
             except Exception as exc:  # a stalled or closed loop: say so on the page
                 live_error = describe(exc)
         counts = self._read(self._reads.counts)
+        reindex = self._read(self._reads.reindex)
         dead = self._read(self._reads.dead_letters)
         return self._page("pipeline.html", title="Pipeline", live=self._live is not None,
                           health=health, stats=stats, live_error=live_error, counts=counts,
-                          dead=dead, charts=self._series is not None, notice=q.get("notice"))
+                          reindex=reindex, dead=dead, charts=self._series is not None,
+                          notice=q.get("notice"))
 
     def _series_json(self, q: dict[str, str]) -> _Answer:
         data = {} if self._series is None else self._series.as_json()

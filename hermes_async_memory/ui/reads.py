@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import sqlite3
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from ..errors import describe
+from ..errors import StoreError, describe
 from ..procedural.api import ProceduralMemory
 from ..procedural.model import ToolStats
 from ..recall.preview import PrefetchPreview, preview_prefetch
@@ -39,6 +40,7 @@ from ..sessions.reads import FileSessionReads, SearchHit, SessionChain, SessionI
 from ..settings import Settings
 from ..store import SqliteStore
 from ..store.inspect import StoreReader
+from ..store.text_index import Reindex, word_reindex_state
 from ..templates.model import Template
 from ..templates.outcome import TaskTypeStats
 from ..templates.store import TemplateReads
@@ -225,6 +227,15 @@ class InspectorReads:
         entries, kv_users = await self._store.memory_counts()
         return {"sessions": sessions.sessions, "messages": sessions.messages,
                 "memory_entries": entries, "memory_users": kv_users}
+
+    async def reindex(self) -> Reindex | None:
+        """The word index's rebuild after an upgrade, while one is under way: read from the
+        file at each call, as the worker or pipeline writing it moves it on."""
+        try:
+            async with self._store.reader() as db:
+                return await word_reindex_state(db)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot read the store: {exc}") from exc
 
 
 def private_marks() -> tuple[str, str]:

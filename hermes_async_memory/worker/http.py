@@ -336,6 +336,10 @@ class _App:
             "replica_pending": s.replica_pending,
             "replica_lag_s": round(s.replica_lag_s, 3),
             "stale_blocks": s.stale_blocks,
+            # The word index's rebuild after an upgrade: messages indexed of those at its
+            # start; both 0 when none is under way.
+            "reindex_done": s.reindex_done,
+            "reindex_total": s.reindex_total,
             "conditions": snap.health.conditions,
         }
         problem = snap.problem()
