@@ -117,10 +117,10 @@ async def test_identical_recalls_in_flight_are_shared(settings: Settings) -> Non
     started = anyio.Event()
 
     class SlowStore(SqliteStore):
-        async def recall_pool(self, match: str, pool: int):  # type: ignore[no-untyped-def]
+        async def recall_pool(self, match: str, pool: int, shown: int):  # type: ignore[no-untyped-def]
             started.set()
             await release.wait()
-            return await super().recall_pool(match, pool)
+            return await super().recall_pool(match, pool, shown)
 
     store = SlowStore(settings.db_path, readers=settings.recall_workers)
     async with MemoryPipeline(settings, store=store) as mem:

@@ -41,6 +41,7 @@ from .query import (
     query_terms,
     rank_windows,
     render_hits,
+    shown_size,
     with_procedural,
 )
 
@@ -173,14 +174,12 @@ async def search_hits(store: SqliteStore, terms: Sequence[str], scope: str, *, l
     (``query.fill_lines``)."""
     if not terms:
         return []
-    pool = await store.recall_pool(match_expression(terms, scope), pool_size(limit))
+    shown = shown_size(limit)
+    pool, texts = await store.recall_pool(match_expression(terms, scope), pool_size(limit),
+                                          shown)
     if not pool:
         return []
-    ranked = rank_windows(pool)
-    wanted = {row.message_id for row in ranked}
-    for row in ranked:
-        wanted.update(i for i in (row.before, row.after) if i is not None)
-    texts = await store.message_texts(sorted(wanted))
+    ranked = rank_windows(pool)[:shown]
     return fill_lines(ranked, texts, terms, limit=limit, budget=chars_per_hit * limit)
 
 

@@ -19,21 +19,42 @@ from .text_index import word_reindex_step
 
 log = structlog.get_logger(__name__)
 
-# A recall's candidates: the best ``?`` messages of the MATCH by bm25, each with the ids of
-# the messages before and after it in its session that are in its scope too (another user
-# may send the same session id: their messages are never shown). idx_messages_session: a
-# seek each way, then a step over any other scope's messages.
+# A recall's candidates: the best ``?`` messages of the MATCH by bm25; the first ``?`` of
+# them (those the block may show) with their text and the ids and texts of the messages
+# before and after each in its session that are in its scope too (another user may send
+# the same session id: their messages are never shown). idx_messages_session: a seek each
+# way, then a step over any other scope's messages. The rest only lend their scores to
+# their neighbours' windows. One statement: a recall is one round trip to a reader (a
+# second one only for a hit longer than RECALL_SOURCE_CHARS: FTS5's snippet of it).
 RECALL_POOL = """
 WITH hits AS MATERIALIZED (
-    SELECT rowid AS id, rank FROM messages_fts WHERE messages_fts MATCH ? ORDER BY rank LIMIT ?
+    SELECT rowid AS id, rank, row_number() OVER (ORDER BY rank) AS n FROM (
+        SELECT rowid, rank FROM messages_fts WHERE messages_fts MATCH ?1 ORDER BY rank LIMIT ?2)
+), near AS MATERIALIZED (
+    SELECT h.id, h.rank, m.session_id, h.n <= ?3 AS shown, m.role, m.timestamp,
+           CASE WHEN h.n > ?3 THEN NULL WHEN length(m.content) > ?4 THEN ''
+                ELSE m.content END AS content,
+           CASE WHEN h.n <= ?3 THEN (SELECT max(p.id) FROM messages AS p
+               WHERE p.session_id = m.session_id AND p.id < h.id AND p.scope = m.scope) END
+               AS before,
+           CASE WHEN h.n <= ?3 THEN (SELECT min(x.id) FROM messages AS x
+               WHERE x.session_id = m.session_id AND x.id > h.id AND x.scope = m.scope) END
+               AS after
+    FROM hits AS h JOIN messages AS m ON m.id = h.id
 )
-SELECT h.id, m.session_id, h.rank,
-       (SELECT max(p.id) FROM messages AS p
-        WHERE p.session_id = m.session_id AND p.id < h.id AND p.scope = m.scope),
-       (SELECT min(n.id) FROM messages AS n
-        WHERE n.session_id = m.session_id AND n.id > h.id AND n.scope = m.scope)
-FROM hits AS h JOIN messages AS m ON m.id = h.id
-ORDER BY h.rank
+SELECT near.id, near.session_id, near.rank, near.before, near.after, near.shown,
+       near.role, near.timestamp, near.content,
+       b.role, b.timestamp, substr(b.content, 1, ?4), a.role, a.timestamp, substr(a.content, 1, ?4)
+FROM near LEFT JOIN messages AS b ON b.id = near.before
+LEFT JOIN messages AS a ON a.id = near.after
+ORDER BY near.rank
+"""
+# The characters of a message a recall reads: it shows at most a window of them. A longer
+# hit is shown as FTS5's snippet of it, SNIPPET_TOKENS around what matched.
+RECALL_SOURCE_CHARS = 20_000
+RECALL_SNIPPET = """
+SELECT rowid, snippet(messages_fts, 0, '', '', '…', 64) FROM messages_fts
+WHERE messages_fts MATCH ? AND rowid IN ({ids})
 """
 
 
@@ -150,25 +171,35 @@ class Messages(Connections):
             held += int(row[0]) if row else 0
         return held == len(ids)
 
-    async def recall_pool(self, match: str, pool: int) -> list[PoolRow]:
+    async def recall_pool(self, match: str, pool: int, shown: int
+                          ) -> tuple[list[PoolRow], dict[int, tuple[str, float, str]]]:
         """A recall's candidates for one FTS5 MATCH expression (quoted and scoped by the
-        caller), best first (``RECALL_POOL``)."""
-        async with self.reader() as db, db.execute(RECALL_POOL, (match, pool)) as cur:
-            rows = await cur.fetchall()
-        return [PoolRow(int(r[0]), r[1], float(r[2]), r[3], r[4]) for r in rows]
-
-    async def message_texts(self, ids: Sequence[int]) -> dict[int, tuple[str, float, str]]:
-        """Role, timestamp and content of each of the messages ``ids`` that is stored."""
-        out: dict[int, tuple[str, float, str]] = {}
+        caller), best first: ``pool`` of them, the first ``shown`` with their neighbours'
+        ids; and role, timestamp and text (its first RECALL_SOURCE_CHARS characters) of those
+        and of their neighbours (``RECALL_POOL``)."""
         async with self.reader() as db:
-            for i in range(0, len(ids), KEY_CHUNK):
-                chunk = [int(x) for x in ids[i:i + KEY_CHUNK]]
-                async with db.execute(
-                        "SELECT id, role, timestamp, content FROM messages WHERE id IN "
-                        f"({','.join('?' * len(chunk))})", chunk) as cur:
-                    for r in await cur.fetchall():
-                        out[int(r[0])] = (r[1], float(r[2]), r[3] or "")
-        return out
+            async with db.execute(RECALL_POOL, (match, pool, shown, RECALL_SOURCE_CHARS)
+                                  ) as cur:
+                rows = await cur.fetchall()
+            texts: dict[int, tuple[str, float, str]] = {}
+            long: list[int] = []
+            for r in rows:
+                if r[5]:
+                    texts[int(r[0])] = (r[6], float(r[7]), r[8] or "")
+                    if r[8] == "":  # longer than RECALL_SOURCE_CHARS (or empty)
+                        long.append(int(r[0]))
+            if long:
+                async with db.execute(RECALL_SNIPPET.format(ids=",".join(map(str, long))),
+                                      (match,)) as cur:
+                    for rowid, snip in await cur.fetchall():
+                        role, at, _ = texts[int(rowid)]
+                        texts[int(rowid)] = (role, at, snip or "")
+        for r in rows:  # the neighbours: a hit's own text (or snippet) stands
+            if r[3] is not None and r[9] is not None:
+                texts.setdefault(int(r[3]), (r[9], float(r[10]), r[11] or ""))
+            if r[4] is not None and r[12] is not None:
+                texts.setdefault(int(r[4]), (r[12], float(r[13]), r[14] or ""))
+        return [PoolRow(int(r[0]), r[1], float(r[2]), r[3], r[4]) for r in rows], texts
 
     async def refresh_frequent_terms(self, min_rows: int, ratio: float = 0.0) -> frozenset[str]:
         """Terms in more than ``max(min_rows, ratio * messages)`` messages: too common to
