@@ -219,6 +219,26 @@ def test_the_matching_reply_wins_over_a_later_one(provider: HermesMemoryProvider
     assert stored(provider) == [turn1, turn2]
 
 
+def test_calls_that_run_turns_behind_store_every_turn_once_in_order(
+        provider: HermesMemoryProvider) -> None:
+    """Hermes's memory thread ran four turns behind: every call, the session's first
+    included, finds the list holding all four. Invariant: each turn stored once, in
+    order, each with its own messages."""
+    turns = [[user(f"question {k}"), reply(f"answer {k}")] for k in range(4)]
+    live = [m for turn in turns for m in turn]
+    for k in range(4):
+        sync(provider, live, f"question {k}", f"answer {k}")
+    assert stored(provider) == turns
+    # The same on a session whose history holds a turn from before this provider: the
+    # first call still stores only its own turn.
+    old = [user("before"), reply("answer 1")]  # the same reply text as a later turn
+    later = [[user(f"q{k}"), reply(f"answer {k}")] for k in range(3)]
+    live = old + [m for turn in later for m in turn]
+    for k in range(3):
+        sync(provider, live, f"q{k}", f"answer {k}", session="s2")
+    assert stored(provider, "s2") == later
+
+
 def test_empty_and_none_content(provider: HermesMemoryProvider) -> None:
     live = [user(""), step("c1", content=None, name="clock"), result("c1", None, name="clock"),
             reply("", refusal=None), user(None)]

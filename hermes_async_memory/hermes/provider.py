@@ -284,7 +284,7 @@ class HermesMemoryProvider(_ProviderBase):
             return
         with self._turn_lock:  # one span at a time: the cursor moves only once it is stored
             try:
-                span = self._cursors.span(session, messages, assistant_content)
+                span = self._cursors.span(session, messages, assistant_content, user_content)
             except InvalidTurnError as exc:  # not a list
                 self._refusal(session, exc, None)
                 raise

@@ -65,8 +65,8 @@ class TurnCursors:
     def __len__(self) -> int:
         return len(self._state)
 
-    def span(self, session_id: str, messages: Sequence[Any], assistant_content: object
-             ) -> Span:
+    def span(self, session_id: str, messages: Sequence[Any], assistant_content: object,
+             user_content: object = None) -> Span:
         """This turn's span of ``messages`` (see the module's docstring). Nothing is
         recorded until ``advance``.
 
@@ -81,7 +81,8 @@ class TurnCursors:
         cursor = None
         if state is not None and _holds(snapshot, *state):
             cursor = state[0]
-        end = turn_end(snapshot, cursor or 0, assistant_content)
+        end = turn_end(snapshot, cursor or 0, assistant_content, known=cursor is not None,
+                       user_content=user_content)
         start = cursor if cursor is not None else turn_start(snapshot, end)
         rows = [dict(m) if isinstance(m, Mapping) else m for m in snapshot[start:end]]
         prints = tuple(fingerprint(m) for m in snapshot[max(0, end - PRINTS):end])
@@ -110,26 +111,57 @@ class TurnCursors:
             self._state.pop(session_id, None)
 
 
-def turn_end(messages: Sequence[Any], lo: int, assistant_content: object) -> int:
-    """Where this turn ends in ``messages[lo:]``: after its final reply (the last assistant
-    message without tool calls whose text equals ``assistant_content``, stripped or not,
-    then one whose text is a prefix of it or has it as a prefix, looked for from the start of
-    the last two user-led turns; else the last assistant message without tool calls); the
-    list's end when there is none."""
-    finals = [i for i in range(len(messages) - 1, lo - 1, -1) if is_final_reply(messages[i])]
+def turn_end(messages: Sequence[Any], lo: int, assistant_content: object,
+             known: bool = False, user_content: object = None) -> int:
+    """Where this turn ends in ``messages[lo:]``: after its final reply (an assistant message
+    without tool calls whose text equals ``assistant_content``, stripped or not, then one
+    whose text is a prefix of it or has it as a prefix); the list's end when there is none.
+
+    ``known``: ``lo`` is where the session's last call ended, so this turn is the first one
+    after it: its reply is the first that matches from there, however many later turns the
+    list already holds (Hermes's memory thread may run behind the conversation); with no
+    match, the first final reply. Else (the session's first call here, or a rewritten list)
+    the reply is looked for among the last two user-led turns (an older turn's reply may say
+    the same words), then anywhere (the list may hold later turns) where the turn's user
+    message says ``user_content`` too, the latest first; with no match, the last final
+    reply."""
+    finals = [i for i in range(lo, len(messages)) if is_final_reply(messages[i])]
     if not finals:
         return len(messages)
     want = _text(assistant_content).strip()
-    near = _last_turns_start(messages, lo)
-    candidates = [(i, _text(messages[i].get("content")).strip()) for i in finals if i >= near]
-    for i, text in candidates:
-        if text == want:
-            return i + 1
-    if want:
-        for i, text in candidates:
-            if text and (text.startswith(want) or want.startswith(text)):
+    texts = {i: _text(messages[i].get("content")).strip() for i in finals}
+
+    def matching(order: Sequence[int]) -> int | None:
+        for i in order:
+            if texts[i] == want:
                 return i + 1
-    return finals[0] + 1
+        if want:
+            for i in order:
+                if texts[i] and (texts[i].startswith(want) or want.startswith(texts[i])):
+                    return i + 1
+        return None
+
+    if known:
+        found = matching(finals)
+        return found if found is not None else finals[0] + 1
+    near = _last_turns_start(messages, lo)
+    latest_first = finals[::-1]
+    found = matching([i for i in latest_first if i >= near])
+    asked = _text(user_content).strip()
+    if found is None and near > lo and asked:
+        found = matching([i for i in latest_first
+                          if i < near and _asked(messages, i, lo) == asked])
+    return found if found is not None else finals[-1] + 1
+
+
+def _asked(messages: Sequence[Any], reply: int, lo: int) -> str:
+    """The text of the user message that leads the turn of the reply at ``reply``."""
+    for i in range(reply - 1, lo - 1, -1):
+        if _role(messages[i]) == "user":
+            return _text(messages[i].get("content")).strip()
+        if is_final_reply(messages[i]):
+            break
+    return ""
 
 
 def turn_start(messages: Sequence[Any], end: int) -> int:
