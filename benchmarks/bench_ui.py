@@ -77,7 +77,7 @@ from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.memory.api import KeyValueMemory
 from hermes_async_memory.procedural.api import ProceduralMemory
 from hermes_async_memory.recall.preview import preview_prefetch
-from hermes_async_memory.recall.query import query_terms
+from hermes_async_memory.recall.query import all_frequent
 from hermes_async_memory.sessions.reads import FileSessionReads
 from hermes_async_memory.store import SCHEMA, SCHEMA_VERSION, SqliteStore
 from hermes_async_memory.store.inspect import StoreReader
@@ -269,8 +269,8 @@ def steps_session(lib: Lib, p: Params) -> list[Step]:
 def steps_search(lib: Lib, p: Params) -> list[Step]:
     user = p.get("user") or None
     # As the page picks: over everyone, words that are all frequent are shown newest first.
-    terms = query_terms(p["q"], frozenset(), 64)
-    newest = user is None and bool(terms) and lib.store.frequent_terms.issuperset(terms)
+    newest = user is None and all_frequent(p["q"], lib.store.frequent_terms,
+                                           stems=lib.store.word_index_stems)
     return [("FileSessionReads.search()", lambda: lib.sessions.search(
         p["q"], user_id=user, all_users=user is None, limit=PAGE,
         order="newest" if newest else "rank"))]

@@ -14,6 +14,7 @@ import pytest
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.recall import query_terms
 from hermes_async_memory.recall.cache import RECALL_HEADER
+from hermes_async_memory.recall.query import all_frequent
 from hermes_async_memory.store import text_index
 
 WAIT_S = 30
@@ -79,6 +80,17 @@ async def test_stopwords_and_inflections_fold_into_the_terms() -> None:
     assert query_terms("Don't you think so?", frozenset(), 8) == ["think"]
     # A term the index finds in too many messages is left out by its stem.
     assert query_terms("runs to the shelter", frozenset({"run"}), 8) == ["shelter"]
+
+
+def test_a_query_of_only_common_words_is_told_apart() -> None:
+    """The inspector shows such a search newest first rather than rank much of the store:
+    stopwords count as common, and a frequent term is known by its stem."""
+    frequent = frozenset({"weather", "run"})
+    assert all_frequent("what is the weather", frequent)  # stopwords and a frequent word
+    assert all_frequent("you and I", frequent)  # stopwords only
+    assert all_frequent("running runs", frequent)  # the index holds the stem
+    assert not all_frequent("weather in lisbon", frequent)
+    assert not all_frequent("?!", frequent)  # no word at all
 
 
 async def test_the_reply_shows_beside_the_message_that_matched(

@@ -90,6 +90,18 @@ def query_terms(query: str, frequent: frozenset[str], max_terms: int,
     return terms[:max_terms]
 
 
+def all_frequent(query: str, frequent: frozenset[str], *, stems: bool = True,
+                 max_terms: int = 64) -> bool:
+    """Whether every word of ``query`` is a stopword or one of the index's ``frequent``
+    terms (compared by stem when the index stems): ranking what matches it means ranking
+    much of the store. False for a query without words."""
+    if not _PART.search(query[:MAX_QUERY_CHARS]):
+        return False
+    terms = query_terms(query, frozenset(), max_terms, stems=stems)
+    keys = {stem(t) for t in terms} if stems else set(terms)
+    return frequent.issuperset(keys)
+
+
 def quote(term: str) -> str:
     return '"' + term.replace('"', '""') + '"'
 

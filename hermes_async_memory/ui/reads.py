@@ -35,7 +35,7 @@ from ..errors import StoreError, describe
 from ..procedural.api import ProceduralMemory
 from ..procedural.model import ToolStats
 from ..recall.preview import PrefetchPreview, preview_prefetch
-from ..recall.query import query_terms
+from ..recall.query import all_frequent
 from ..sessions.reads import FileSessionReads, SearchHit, SessionChain, SessionInfo
 from ..settings import Settings
 from ..store import SqliteStore
@@ -143,8 +143,8 @@ class InspectorReads:
         everyone = user_id is None and session_id is None
         if order == "rank" and everyone and syntax == "plain":
             await self._terms_read.wait()
-            terms = query_terms(query, frozenset(), MAX_QUERY_TERMS)
-            if terms and self._store.frequent_terms.issuperset(terms):
+            if all_frequent(query, self._store.frequent_terms,
+                            stems=self._store.word_index_stems, max_terms=MAX_QUERY_TERMS):
                 order = "frequent"
         hits = await self.sessions.search(
             query, user_id=user_id, session_id=session_id, all_users=everyone,
