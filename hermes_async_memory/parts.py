@@ -34,7 +34,7 @@ from .sinks import ForwardSink, StoreSink
 from .slices import CHUNK, maybe_yield
 from .sources import OutboxSource
 from .stats import PipelineStats, percentile
-from .supervisor import Supervisor
+from .supervisor import DISK_FULL, Supervisor
 from .turns import Turn, scope_token_for
 from .writer import Source, Writer
 
@@ -186,6 +186,11 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
                 store.ids.reserve(key, n)
             outbox.ids = store.ids
             store.ids.oldest_pending = outbox.oldest_pending_first_id
+        if not outbox.accepting():
+            # Started all the same, so the writer drains what is pending (that frees room):
+            # appends are refused, typed, until maintenance makes a segment.
+            p.conditions.set(DISK_FULL, f"no space left for an outbox segment in "
+                                        f"{outbox.directory}")
         plan = outbox.prefault_plan()
         if plan:
             await anyio.to_thread.run_sync(Outbox.prefault, plan)

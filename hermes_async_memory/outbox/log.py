@@ -27,14 +27,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from ..errors import CorruptOutboxError, QueueFullError, StoreError
+import structlog
+
+from ..errors import CorruptOutboxError, DiskFullError, QueueFullError, StoreError
 from ..message_ids import MessageIds
 from ..ops import ID_DIGITS
 from ..settings import OverflowPolicy
 from ..turns import ID_SLOT, has_id_slot
 from . import records as fmt
 from .records import COUNT_MASK, HEAD, HEADER_BYTES, KIND_TURN
-from .segments import Segment, map_segment, os_error, prefault, quarantine, scan
+from .segments import (
+    Segment,
+    create_segment,
+    map_segment,
+    os_error,
+    prefault,
+    quarantine,
+    scan,
+)
 
 # The next segment is created ahead of need once the current one is this full, so that
 # sync_turn does not pay for a file creation.
@@ -48,6 +58,8 @@ _RELEASE_STEP = 1024 * 1024
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _SEGMENT_OF = operator.attrgetter("segment")
 _PAYLOAD_OF = operator.attrgetter("payload")
+
+log = structlog.get_logger(__name__)
 
 
 class Record(NamedTuple):
@@ -117,6 +129,11 @@ class Outbox:
         # Set by a process that commits the store: each turn record takes its messages' ids
         # as it is appended, in accept order (``message_ids``).
         self.ids: MessageIds | None = None
+        self._open = False
+        self._writable = False
+        # Set while the store is short of room: no new segment takes the room its commit
+        # needs (only a commit lets segments go); appends that need one are refused, typed.
+        self.hold_growth = False
 
     # -- life cycle (blocking: call it in a worker thread) ------------------------------
 
@@ -148,6 +165,7 @@ class Outbox:
         try:
             return self._recover(first_number, writable)
         except BaseException:
+            self._open = False
             self._unmap_all()
             os.close(fd)
             self._lock_fd = None
@@ -176,9 +194,18 @@ class Outbox:
             self._segments[number] = seg
             found += seg.appended
         self._reserved = max([first_number - 1, *numbers])
+        self._open, self._writable = True, writable
         if writable or legacy:
-            self._tail = self._new_segment()
-            self._segments[self._tail.number] = self._tail
+            try:
+                self._tail = self._new_segment()
+                self._segments[self._tail.number] = self._tail
+            except DiskFullError as exc:
+                if legacy:
+                    raise
+                # Open all the same: the writer drains what is here, which frees the room.
+                # Appends are refused (typed) until a segment can be made.
+                log.warning("outbox_opened_without_segment", outbox=str(self.directory),
+                            error=str(exc))
         self._read = self._settled = (min(self._segments, default=0), 0)
         self._seq = self._recovered = found
         self._pending_bytes = sum(seg.payload_bytes for seg in self._segments.values())
@@ -200,6 +227,7 @@ class Outbox:
                 self._doomed.append(self._spare)
                 self._spare = None
             self._tail = None
+            self._open = False
             for seg in segments:
                 if seg.done >= seg.appended:
                     self._doomed.append(seg)
@@ -232,8 +260,7 @@ class Outbox:
         size = len(payload)
         info = fmt.info_of(kind, n_messages)
         with self._lock:
-            tail = self._tail
-            if tail is None:
+            if not self._open or not self._writable:
                 raise CorruptOutboxError("the outbox is closed")
             pending = self._seq - self._done_seq
             over = pending >= self._max_turns or self._pending_bytes + size > self._max_bytes
@@ -250,9 +277,8 @@ class Outbox:
 
     def _write(self, payload: bytes, info: int, slot: bytes | None = None) -> int:
         tail = self._tail
-        assert tail is not None
         size = len(payload)
-        if tail.offset + HEADER_BYTES + size > tail.size:
+        if tail is None or tail.offset + HEADER_BYTES + size > tail.size:
             tail = self._roll(size)
         tail.offset = fmt.write(tail.mm, tail.offset, payload, info, slot)
         tail.appended += 1
@@ -261,15 +287,19 @@ class Outbox:
         return self._seq
 
     def _roll(self, size: int) -> Segment:
-        assert self._tail is not None
         need = HEADER_BYTES + size
         spare, self._spare = self._spare, None
         if spare is None or spare.size < need:
             if spare is not None:
                 self._doomed.append(spare)
-            # No spare ready (the maintainer fell behind): create one here, on the accept path.
+            if self.hold_growth:
+                raise DiskFullError("no space left for a new outbox segment: the store "
+                                    "needs the room to commit what waits")
+            # No spare ready (the maintainer fell behind, or the disk was full): create one
+            # here, on the accept path.
             spare = self._new_segment(need)
-        self._tail.sealed = True
+        if self._tail is not None:
+            self._tail.sealed = True
         self._segments[spare.number] = spare
         self._tail = spare
         self._collect_settled()
@@ -278,8 +308,7 @@ class Outbox:
     def _new_segment(self, need: int = 0) -> Segment:
         number = self._reserved + 1
         self._reserved = number
-        return map_segment(self.directory, number, create=True,
-                           size=max(need, self._segment_bytes))
+        return create_segment(self.directory, number, self._segment_bytes, need)
 
     # -- the writer's side (event loop) --------------------------------------------------
 
@@ -460,9 +489,16 @@ class Outbox:
     # -- upkeep (blocking: the maintainer calls these in a worker thread) ----------------
 
     def needs_spare(self) -> bool:
+        """Whether the next segment should be made now: the tail is half full, or there is
+        none (the disk was full when it was needed)."""
+        if not self._open or not self._writable:
+            return False
         tail = self._tail
-        return (tail is not None and self._spare is None
-                and tail.offset >= tail.size * _SPARE_AT)
+        return tail is None or (self._spare is None and tail.offset >= tail.size * _SPARE_AT)
+
+    def accepting(self) -> bool:
+        """Whether a segment to append into is ready (else the next append must make one)."""
+        return self._tail is not None
 
     def prepare_spare(self) -> None:
         """Create the next segment ahead of need, off the accept path and off the lock.
@@ -471,18 +507,34 @@ class Outbox:
             DiskFullError: no room for it (the accept path tries again when it must roll).
         """
         with self._lock:
-            if self._tail is None or self._spare is not None or not self.needs_spare():
+            if not self.needs_spare():
                 return
             number = self._reserved + 1
             self._reserved = number
-        seg = map_segment(self.directory, number, create=True, size=self._segment_bytes)
+        seg = create_segment(self.directory, number, self._segment_bytes, 0)
         with self._lock:
+            if self._open and self._tail is None:  # the first since a full disk: the tail
+                self._segments[number] = seg
+                self._tail = seg
+                return
             if self._tail is not None and self._spare is None and self._tail.number < number:
                 self._spare = seg
                 return
         # The tail rolled past it meanwhile (or the outbox closed): not needed.
         seg.mm.close()
         seg.path.unlink(missing_ok=True)
+
+    def drop_spare(self) -> int:
+        """Delete the spare segment, giving its room to the store while the store is short of
+        it (pending turns leave the outbox only once the store has them); returns the bytes
+        freed. The next roll makes a segment again."""
+        with self._lock:
+            spare, self._spare = self._spare, None
+        if spare is None:
+            return 0
+        spare.mm.close()
+        spare.path.unlink(missing_ok=True)
+        return spare.size
 
     def reap(self) -> int:
         """Unmap and delete settled segments; returns how many went."""

@@ -22,6 +22,8 @@ from .records import HEAD, HEADER_BYTES, MAGIC_U32
 log = structlog.get_logger(__name__)
 
 QUARANTINE_DIR = "quarantine"
+# The smallest segment made to fit a disk short of room for a whole one.
+MIN_FITTED_BYTES = 64 * 1024
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching them
 _ACCESS_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
                             errno.EISDIR, errno.ENOENT, errno.ELOOP, errno.ENAMETOOLONG})
@@ -87,6 +89,33 @@ def map_segment(directory: Path, number: int, *, create: bool, size: int = 0) ->
     except OSError as exc:
         raise os_error(exc, f"outbox segment {path}") from exc
     return Segment(number=number, path=path, size=size, mm=mm, addr=_address(mm))
+
+
+def create_segment(directory: Path, number: int, size: int, need: int) -> Segment:
+    """A new segment of ``size`` bytes or, on a disk without room for that, a smaller one
+    that fits: a quarter of the free space (the rest stays for the store, which must commit
+    what waits before segments can go), never less than ``need`` or ``MIN_FITTED_BYTES``.
+
+    Raises:
+        DiskFullError: not even that fits.
+        StoreAccessError, CorruptOutboxError: by the file system's answer.
+    """
+    try:
+        return map_segment(directory, number, create=True, size=max(size, need))
+    except DiskFullError:
+        fitted = _quarter_free(directory)
+        if fitted < max(need, MIN_FITTED_BYTES) or fitted >= size:
+            raise
+    return map_segment(directory, number, create=True, size=fitted)
+
+
+def _quarter_free(directory: Path) -> int:
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return 0
+    quarter = st.f_bavail * st.f_frsize // 4
+    return quarter - quarter % mmap.PAGESIZE
 
 
 def scan(seg: Segment) -> Iterator[tuple[int, int]]:
