@@ -6,13 +6,16 @@ Every second (sooner when the writer asks for a spare segment):
   worker thread;
 - memory: once the outbox is empty after a backlog, the C allocator's free heap given back;
 - the store (a process that commits): done keys of deleted segments forgotten, the frequent
-  terms re-read, a WAL checkpoint once a full disk has room again, old recall results pruned;
+  terms re-read, a WAL checkpoint when the WAL crowds the disk, while the store is short of
+  room and once it has room again, old recall results pruned;
 - shared mode (a worker): the inbox's depth, what gone producers left handed in, old done
   keys of inbox turns forgotten;
 - the replica backend's backlog counted.
 
 A full disk is a condition health shows while it lasts; once a spare segment can be made
-again it clears, and writing goes on in the same process.
+again it clears, and writing goes on in the same process. While the store is short of room
+it comes first: no new segment is made (the spare's room is given back), since only its
+commits let segments go.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import mmap
+import os
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import anyio
 import structlog
@@ -41,6 +46,8 @@ INBOX_KEYS_KEPT_S = 7 * 24 * 3600.0  # done keys of inbox turns: the duplicate g
 RESULTS_KEPT_S = 600.0  # a producer polls results within milliseconds; these are long read
 # Records settled since the heap was last given back before the next time (when idle).
 TRIM_EVERY_BYTES = 16 * 1024 * 1024
+# A WAL smaller than this is not checkpointed early, however full the disk.
+WAL_CHECKPOINT_MIN_BYTES = 64 * 1024
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -62,6 +69,17 @@ def _rss_bytes() -> int:
             return int(f.read().split()[1]) * mmap.PAGESIZE
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def _wal_crowds_disk(db: Path) -> bool:
+    """Whether the store's WAL holds as much as half the disk's free space (a checkpoint
+    needs at most the WAL's size to grow the file, and gives back the WAL's)."""
+    try:
+        wal_bytes = os.stat(db.with_name(db.name + "-wal")).st_size
+        st = os.statvfs(db.parent)
+    except OSError:
+        return False
+    return wal_bytes >= WAL_CHECKPOINT_MIN_BYTES and wal_bytes * 2 >= st.f_bavail * st.f_frsize
 
 
 class Maintenance:
@@ -137,7 +155,14 @@ class Maintenance:
 
     async def _outbox(self) -> None:
         outbox = self.outbox
-        if outbox.needs_spare():
+        # While the store is short of room it comes first: a new segment would take the
+        # room its commit needs, and only a commit lets segments go. The spare's room is
+        # given to it; appends go on into the tail, then are refused, typed.
+        short = DISK_FULL_STORE in self._conditions
+        outbox.hold_growth = short
+        if short:
+            await anyio.to_thread.run_sync(outbox.drop_spare)
+        elif outbox.needs_spare():
             await anyio.to_thread.run_sync(outbox.prepare_spare)
         if DISK_FULL in self._conditions and not outbox.needs_spare():
             self._conditions.clear(DISK_FULL)
@@ -175,11 +200,19 @@ class Maintenance:
 
     async def _store_upkeep(self) -> None:
         store, s = self._store, self._settings
-        if self._checkpoint_due:
+        reason = ("disk_full_cleared" if self._checkpoint_due
+                  else "disk_full" if DISK_FULL_STORE in self._conditions
+                  else "wal_crowds_disk" if await anyio.to_thread.run_sync(
+                      _wal_crowds_disk, store.path)
+                  else None)
+        if reason is not None:
+            # The WAL only shrinks at a checkpoint, and SQLite's own comes at 4 MiB: on a
+            # disk with less room than that, commits would fail for want of the room the
+            # WAL's old pages hold (a store left unable to commit while the disk has room).
             started = self._clock()
             if await store.checkpoint():
                 self._checkpoint_due = False
-                log.info("store_checkpointed", reason="disk_full_cleared",
+                log.info("store_checkpointed", reason=reason,
                          duration_ms=round((self._clock() - started) * 1e3, 2))
         oldest = self.outbox.oldest_segment()
         if oldest > self._last_pruned:
