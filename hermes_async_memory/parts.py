@@ -204,7 +204,8 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     local = LocalRecaller(store, p.backend, limit=s.recall_limit,
                           max_terms=s.recall_max_terms,
                           chars_per_hit=s.recall_chars_per_hit, observer=p.observer,
-                          procedural=s.procedural_context if s.tool_log else None)
+                          procedural=s.procedural_context if s.tool_log else None,
+                          fence=p.fence)
     remote = RemoteRecaller(store, s.max_pending_recalls) if role == "producer" else None
     jobs = None
     if remote is None and s.postgres_recall_jobs and s.backend == "postgres":

@@ -40,6 +40,7 @@ from .errors import (
     PipelineFailedError,
     describe,
 )
+from .fence import Fence
 from .memory.backends import memory_for
 from .metrics import PipelineObserver
 from .parts import Parts, build_parts, collect_stats
@@ -108,8 +109,10 @@ class MemoryPipeline:
         self._backoff = Backoff(base_s=s.commit_retry_base_s)
         self.conditions = Conditions(clock)
         self.barrier = CommitBarrier()
+        # The tags stored text may not hold in what the agent is shown (fence.py).
+        self.fence = Fence(s.fence_tags)
         self.cache = RecallCache(max_sessions=s.cache_max_sessions, recent_turns=s.recent_turns,
-                                 recent_chars=s.recent_chars, clock=clock)
+                                 recent_chars=s.recent_chars, clock=clock, fence=self.fence)
         self.meter = Meter()
         self._changed = asyncio.Event()  # set, and replaced, after each change: wait_until()
         self.cache.on_change = self.changed

@@ -16,6 +16,7 @@ import platformdirs
 from .backends.honcho import HonchoConfig
 from .env import PARSE, read_env
 from .errors import ConfigurationError
+from .fence import FENCE_TAGS, TAG_NAME
 from .logs import redact_credentials
 from .procedural.extract import OutcomeRules
 from .procedural.format import ContextSettings
@@ -42,6 +43,10 @@ ENV_PREFIX = "HERMES_MEMORY_"
 # The conventional variable for a database URL (Heroku, Render, Fly, docker-compose files).
 DATABASE_URL = "DATABASE_URL"
 MIB = 1024 * 1024
+# Tags of the library's own blocks (procedural/format.py): a fence tag may not be one of them,
+# or the blocks would lose their structure.
+OWN_TAGS = frozenset({"procedural_memory", "procedural_guidance", "success_template",
+                      "procedural_memory_summary", "tool"})
 
 
 def default_db_path() -> Path:
@@ -66,6 +71,11 @@ def parse_backend(text: str) -> BackendName:
             return backend
     raise ValueError(f"must be one of local, honcho, postgres (null: the same as local), "
                      f"got {text!r:.40}")
+
+
+def parse_fence_tags(text: str) -> tuple[str, ...]:
+    """``HERMES_MEMORY_FENCE_TAGS``: tag names separated by commas (empty: none)."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +131,11 @@ class Settings:
     recent_turns: int = 3
     recent_chars: int = 400
     cache_max_sessions: int = 10_000
+    # The tags a prefetch block may be wrapped in (Hermes Agent's: memory-context). Stored
+    # text in a block never holds one, in any case or spacing: its angle brackets become the
+    # look-alikes U+2039 and U+203A (fence.py). Empty: stored text is shown as it is.
+    fence_tags: tuple[str, ...] = field(default=FENCE_TAGS,
+                                        metadata={PARSE: parse_fence_tags})
     # SQLite.
     busy_timeout_ms: int = 10_000
     source: str = "api"
@@ -193,6 +208,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "db_path", Path(self.db_path).expanduser())
+        self._check_fence_tags()
         positive = (
             "max_batch", "max_batch_bytes", "max_pending_warms", "max_queued_turns",
             "max_queued_bytes", "max_turn_bytes",
@@ -241,6 +257,18 @@ class Settings:
         if self.outbox_segment_bytes < 64 * 1024:
             raise ConfigurationError("outbox_segment_bytes must be at least 64 KiB")
         self._check_postgres()
+
+    def _check_fence_tags(self) -> None:
+        tags = self.fence_tags
+        if isinstance(tags, str) or not all(isinstance(t, str) for t in tags):
+            raise ConfigurationError(f"fence_tags must be a sequence of tag names, got {tags!r}")
+        object.__setattr__(self, "fence_tags", tuple(tags))
+        for tag in tags:
+            if not TAG_NAME.fullmatch(tag):
+                raise ConfigurationError(f"fence_tags: {tag!r} is not a tag name")
+            if tag.lower() in OWN_TAGS:
+                raise ConfigurationError(
+                    f"fence_tags: {tag!r} is a tag of the library's own procedural block")
 
     def _check_postgres(self) -> None:
         dsn = self.postgres_dsn

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..fence import DEFAULT_FENCE, Fence
 from ..ops import OP_SESSION, parse_session_record
 from ..turns import TURN
 
@@ -70,7 +71,8 @@ class RecallCache:
     """Per-(user, session) prefetch blocks, bounded; the least recently written goes first."""
 
     def __init__(self, *, max_sessions: int, recent_turns: int, recent_chars: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 fence: Fence = DEFAULT_FENCE) -> None:
         self._entries: OrderedDict[CacheKey, _Entry] = OrderedDict()
         # The sessions cached for each user: who to refresh when a user's memory changes.
         self._by_user: dict[str | None, dict[str, None]] = {}
@@ -78,6 +80,9 @@ class RecallCache:
         self._recent_turns = recent_turns
         self._recent_chars = recent_chars
         self._clock = clock
+        # Stored text never holds the tags the block is wrapped in (fence.py): made inert as
+        # an entry is written, so prefetch() stays a lookup.
+        self._fence = fence
         self.hits = 0
         self.misses = 0
         # Called after every change (event-loop thread): the pipeline wakes its waiters.
@@ -160,15 +165,15 @@ class RecallCache:
     def note_commits(self, turns: Sequence[Turn], now: float) -> None:
         """A committed batch's turns, in order, into their sessions' recent turns, with one
         ``on_change`` after them all."""
-        limit, touch = self._recent_chars, self._touch
+        limit, touch, inert = self._recent_chars, self._touch, self._fence.neutralize
         for t in turns:
             if t.kind != TURN:  # an operation: no session's turn
                 if t.kind == OP_SESSION and _deletes(t):
                     self.forget_session(t.session_id, t.user_id)
                 continue
             entry = touch((t.user_id, t.session_id))
-            entry.recent.append((t.key, _clip(t.user_text, limit),
-                                 _clip(t.assistant_text, limit)))
+            entry.recent.append((t.key, inert(_clip(t.user_text, limit)),
+                                 inert(_clip(t.assistant_text, limit))))
             entry.last_turn_key = t.key
             entry.turns_committed += 1
             entry.committed_mono = now
@@ -234,8 +239,8 @@ class RecallCache:
         older = [t for t in turns if t[0] not in have]
         if not older:
             return False
-        limit = self._recent_chars
-        merged = [(k, _clip(u, limit), _clip(a, limit)) for k, u, a in older]
+        limit, inert = self._recent_chars, self._fence.neutralize
+        merged = [(k, inert(_clip(u, limit)), inert(_clip(a, limit))) for k, u, a in older]
         merged += list(entry.recent)
         entry.recent.clear()
         entry.recent.extend(merged)  # the deque keeps the newest recent_turns
@@ -259,6 +264,8 @@ class RecallCache:
         """
         if self._stale(user_id, session_id, epoch):
             return  # read before a delete of the session or of its user's other session
+        # The local block's stored text is inert already; a backend's block is made so here.
+        block = self._fence.neutralize(block)
         entry = self._touch((user_id, session_id))
         if fallback and entry.recall_block and entry.recall_source != "local":
             entry.recall_stale = True

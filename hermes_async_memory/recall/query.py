@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import snowballstemmer
 from stopwords import get_stopwords
 
+from ..fence import DEFAULT_FENCE, Fence
 from ..store import Hit, PoolRow, Said
 from .cache import RECALL_HEADER
 
@@ -242,13 +243,16 @@ LINE_COST = 30
 SAID_COST = 5
 
 
-def hit_lines(hits: Iterable[Hit]) -> Iterator[tuple[str, Hit]]:
+def hit_lines(hits: Iterable[Hit], fence: Fence = DEFAULT_FENCE
+              ) -> Iterator[tuple[str, Hit]]:
     """Each hit's line of the recall block, in rank order, with the hit it shows: its day,
     then the message before it, the hit and the message after it, each with its role. A
-    hit whose words an earlier one already gave is left out."""
+    hit whose words an earlier one already gave is left out. Each message's text has the
+    ``fence`` tags made inert, after any cut (a tag's start at a cut included)."""
+    inert = fence.neutralize
     seen = set()
     for h in hits:
-        snippet = " ".join(h.snippet.split())
+        snippet = inert(" ".join(h.snippet.split()))
         if snippet in seen:
             continue  # the same words said twice add nothing to the context
         seen.add(snippet)
@@ -256,15 +260,16 @@ def hit_lines(hits: Iterable[Hit]) -> Iterator[tuple[str, Hit]]:
         if not h.before and not h.after:
             yield f"- [{day} {h.role}] {snippet}", h
             continue
-        parts = [f"{s.role}: {s.text}" for s in h.before]
+        parts = [f"{s.role}: {inert(s.text)}" for s in h.before]
         parts.append(f"{h.role}: {snippet}")
-        parts += [f"{s.role}: {s.text}" for s in h.after]
+        parts += [f"{s.role}: {inert(s.text)}" for s in h.after]
         yield f"- [{day}] " + " | ".join(parts), h
 
 
-def render_hits(hits: Iterable[Hit], *, now: float | None = None) -> str:
-    """A compact block: one line a hit, best first."""
-    lines = [line for line, _ in hit_lines(hits)]
+def render_hits(hits: Iterable[Hit], *, now: float | None = None,
+                fence: Fence = DEFAULT_FENCE) -> str:
+    """A compact block: one line a hit, best first, the ``fence`` tags in it made inert."""
+    lines = [line for line, _ in hit_lines(hits, fence)]
     if not lines:
         return ""
     return RECALL_HEADER + "\n" + "\n".join(lines)

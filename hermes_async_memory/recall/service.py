@@ -27,6 +27,7 @@ import structlog
 from ..backends import Backend, NullBackend, RecallRequest, WriteNotice
 from ..barrier import CommitBarrier
 from ..errors import describe
+from ..fence import DEFAULT_FENCE, Fence
 from ..metrics import PipelineObserver
 from ..procedural.api import ProceduralMemory
 from ..procedural.context import session_block
@@ -73,8 +74,10 @@ class LocalRecaller:
 
     def __init__(self, store: SqliteStore, backend: Backend, *, limit: int, max_terms: int,
                  chars_per_hit: int, observer: PipelineObserver,
-                 procedural: ContextSettings | None = None) -> None:
+                 procedural: ContextSettings | None = None,
+                 fence: Fence = DEFAULT_FENCE) -> None:
         self._store = store
+        self._fence = fence
         # The procedural block appended for the session (its tools' record in the log).
         self._procedural = (ProceduralMemory(store), procedural) if procedural else None
         self._backend = backend
@@ -163,7 +166,8 @@ class LocalRecaller:
 
     async def search(self, terms: Sequence[str], scope: str, limit: int) -> str:
         return render_hits(await search_hits(self._store, terms, scope, limit=limit,
-                                             chars_per_hit=self._chars_per_hit))
+                                             chars_per_hit=self._chars_per_hit),
+                           fence=self._fence)
 
 
 async def search_hits(store: SqliteStore, terms: Sequence[str], scope: str, *, limit: int,
