@@ -70,7 +70,8 @@ TOOL_TIMEOUT_S = 5.0
 # The tools that run on the pipeline's loop: (pipeline, user id, arguments) -> JSON text.
 _PIPELINE_TOOLS: dict[str, Callable[[MemoryPipeline, str | None, Any],
                                     Coroutine[Any, Any, str]]] = {
-    MEMORY_TOOL: lambda p, user, args: call_memory_tool(p.memory, user, args),
+    MEMORY_TOOL: lambda p, user, args: call_memory_tool(p.memory, user, args,
+                                                        fence=p.fence),
     PROCEDURAL_TOOL: lambda p, user, args: call_procedural_tool(p.procedural, user, args),
 }
 # on_pre_compress: the last few user messages of the span make the recall query; the search

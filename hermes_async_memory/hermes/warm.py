@@ -71,7 +71,8 @@ class WarmStarts:
         if template is None:
             log.info("cold_start", session_id=session_id, task_type=task_type)
             return
-        text = warm_text(template, settings.warm_max_chars)
+        # It opens the first prefetch block: its template's text is made inert as the rest.
+        text = pipeline.fence.neutralize(warm_text(template, settings.warm_max_chars))
         with self._lock:
             self._pending[session_id] = text
             self._new[session_id] = text

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..errors import HermesMemoryError
+from ..fence import DEFAULT_FENCE, Fence
 from .api import MAX_QUERY_LIMIT, KeyValueMemory
 from .backends import BackendLimitError, Memory
 from .entries import InvalidEntryError
@@ -64,8 +65,15 @@ MEMORY_SCHEMA: dict[str, Any] = {
 }
 
 
-async def call_memory_tool(memory: Memory, user_id: str | None, args: object) -> str:
-    """Run one call of the tool for ``user_id``; the result or the error as JSON."""
+async def call_memory_tool(memory: Memory, user_id: str | None, args: object, *,
+                           fence: Fence = DEFAULT_FENCE) -> str:
+    """Run one call of the tool for ``user_id``; the result or the error as JSON. Stored
+    values are data: the ``fence`` tags in them are made inert (fence.py), which leaves
+    the JSON valid (a ``<`` is only ever inside one of its strings)."""
+    return fence.neutralize(await _call(memory, user_id, args))
+
+
+async def _call(memory: Memory, user_id: str | None, args: object) -> str:
     try:
         return _ok(await _run(memory, user_id, args))
     except _ArgumentError as exc:
