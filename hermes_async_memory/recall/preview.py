@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..errors import InvalidTurnError
+from ..fence import Fence
 from ..procedural.api import ProceduralMemory
 from ..procedural.context import session_block_lines
 from ..settings import Settings
-from ..store import SqliteStore, StoredTurn
+from ..store import Hit, SqliteStore, StoredTurn
 from ..turns import check_id, scope_token_for
 from .cache import RECALL_HEADER, _clip, block_lines, block_text
 from .query import hit_lines, query_terms, render_hits, with_procedural
@@ -54,6 +55,9 @@ class PreviewLine:
       - "procedural": a line of the procedural block, about ``tool`` (None: the tags
         around several tools);
       - "blank": the empty line between parts.
+
+    ``fenced``: how many fence tags (``Settings.fence_tags``: the tags the block may be
+    wrapped in) the line's stored text held, each made inert in ``text`` (fence.py).
     """
 
     text: str
@@ -65,6 +69,7 @@ class PreviewLine:
     turn_key: str | None = None
     tool: str | None = None
     rank: int | None = None
+    fenced: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +118,9 @@ async def preview_prefetch(store: SqliteStore, settings: Settings, *, user_id: s
     if not isinstance(query, str):
         raise InvalidTurnError(f"query must be a string, got {type(query).__name__}")
     turns = await stored_recent_turns(store, user_id, session_id, settings.recent_turns)
-    limit = settings.recent_chars
-    recent = [(_clip(t.user_text, limit), _clip(t.assistant_text, limit)) for t in turns]
+    limit, fence = settings.recent_chars, Fence(settings.fence_tags)
+    clipped = [(_clip(t.user_text, limit), _clip(t.assistant_text, limit)) for t in turns]
+    recent = [(fence.neutralize(u), fence.neutralize(a)) for u, a in clipped]
     terms: tuple[str, ...] = ()
     recall: list[PreviewLine] = []
     if query.strip():
@@ -123,7 +129,7 @@ async def preview_prefetch(store: SqliteStore, settings: Settings, *, user_id: s
                                                              settings.frequent_term_ratio)
         terms = tuple(query_terms(query, frequent_terms, settings.recall_max_terms,
                                   stems=store.word_index_stems))
-        recall = await _recall_lines(store, settings, user_id, session_id, terms)
+        recall = await _recall_lines(store, settings, user_id, session_id, terms, fence)
     recall_block = "\n".join([line.text for line in recall])
     out = []
     for text, part, position, role in block_lines(recent if settings.recent_turns else (),
@@ -131,7 +137,9 @@ async def preview_prefetch(store: SqliteStore, settings: Settings, *, user_id: s
         if part == "recall":
             out.append(recall[position])
         elif part == "recent":
-            out.append(_recent_line(text, role, turns[position], session_id))
+            raw = clipped[position][0 if role == "user" else 1]
+            out.append(_recent_line(text, role, turns[position], session_id,
+                                    fence.count(raw)))
         elif part == "heading":
             out.append(PreviewLine(text, "heading", session_id=session_id))
         else:
@@ -142,7 +150,8 @@ async def preview_prefetch(store: SqliteStore, settings: Settings, *, user_id: s
 
 
 async def _recall_lines(store: SqliteStore, settings: Settings, user_id: str | None,
-                        session_id: str, terms: tuple[str, ...]) -> list[PreviewLine]:
+                        session_id: str, terms: tuple[str, ...],
+                        fence: Fence) -> list[PreviewLine]:
     """The recall's block as the local recaller builds it (``LocalRecaller.recall``), as
     lines with their sources."""
     hits = await search_hits(store, terms, scope_token_for(user_id, session_id),
@@ -150,12 +159,13 @@ async def _recall_lines(store: SqliteStore, settings: Settings, user_id: str | N
                              chars_per_hit=settings.recall_chars_per_hit)
     rank = {hit.message_id: n for n, hit in enumerate(hits, 1)}
     lines = []
-    shown = list(hit_lines(hits))
+    shown = list(hit_lines(hits, fence))
     if shown:
         lines.append(PreviewLine(RECALL_HEADER, "heading"))
         lines += [PreviewLine(text, "search", session_id=hit.session_id,
                               message_id=hit.message_id, role=hit.role,
-                              timestamp=hit.timestamp, rank=rank[hit.message_id])
+                              timestamp=hit.timestamp, rank=rank[hit.message_id],
+                              fenced=_hit_fenced(hit, fence))
                   for text, hit in shown]
     procedural: list[tuple[str, str | None]] = []
     if settings.tool_log and settings.procedural_context is not None:
@@ -163,18 +173,30 @@ async def _recall_lines(store: SqliteStore, settings: Settings, user_id: str | N
                                                settings.procedural_context)
     if lines and procedural:
         lines.append(PreviewLine("", "blank"))
-    lines += [PreviewLine(text, "procedural", tool=tool) if text else PreviewLine("", "blank")
+    # The procedural block escapes every < of the log's text (procedural/format.py): a
+    # fence tag there is counted as the text held it.
+    lines += [PreviewLine(text, "procedural", tool=tool,
+                          fenced=fence.count(text.replace("&lt;", "<")))
+              if text else PreviewLine("", "blank")
               for text, tool in procedural]
     # The pipeline's block, built by its own functions: the lines must spell it.
-    block = with_procedural(render_hits(hits), "\n".join([text for text, _ in procedural]))
+    block = with_procedural(render_hits(hits, fence=fence),
+                            "\n".join([text for text, _ in procedural]))
     assert "\n".join([line.text for line in lines]) == block
     return lines
 
 
-def _recent_line(text: str, role: str, turn: StoredTurn, session_id: str) -> PreviewLine:
+def _hit_fenced(hit: Hit, fence: Fence) -> int:
+    """The fence tags in the stored text a hit's line shows (``query.hit_lines``)."""
+    texts = [hit.snippet, *(s.text for s in hit.before), *(s.text for s in hit.after)]
+    return sum([fence.count(" ".join(text.split())) for text in texts])
+
+
+def _recent_line(text: str, role: str, turn: StoredTurn, session_id: str,
+                 fenced: int) -> PreviewLine:
     if role == "user":
         message_id, timestamp = turn.user_message_id, turn.user_timestamp
     else:
         message_id, timestamp = turn.assistant_message_id, turn.assistant_timestamp
     return PreviewLine(text, "recent", session_id=session_id, message_id=message_id,
-                       role=role, timestamp=timestamp, turn_key=turn.key)
+                       role=role, timestamp=timestamp, turn_key=turn.key, fenced=fenced)

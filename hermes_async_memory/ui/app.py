@@ -30,6 +30,7 @@ import jinja2
 import structlog
 
 from ..errors import InvalidTurnError, StoreError, describe
+from ..fence import Fence
 from ..stats import PipelineStats
 from ..supervisor import Health
 from .access import Access
@@ -106,6 +107,8 @@ class InspectorApp:
         self._live = live
         self._series = series
         self._env = _environment()
+        # How many fence tags a stored text holds: shown inert in every block (fence.py).
+        self._env.filters["fenced"] = Fence(reads.settings.fence_tags).count
 
     def handles(self, path: str) -> bool:
         return path == PREFIX or path.startswith(PREFIX + "/")
