@@ -20,6 +20,7 @@ import sys
 
 from .errors import (
     CorruptStoreError,
+    DatabaseUnavailableError,
     DiskFullError,
     LeaseLostError,
     StoreAccessError,
@@ -84,7 +85,7 @@ def classify(exc: BaseException) -> Fault:
     if isinstance(exc, BaseExceptionGroup):
         kinds = {classify(e) for e in exc.exceptions}
         return next(k for k in (Fault.FATAL, Fault.DATA, Fault.TRANSIENT) if k in kinds)
-    if isinstance(exc, (DiskFullError, LeaseLostError)):
+    if isinstance(exc, (DiskFullError, LeaseLostError, DatabaseUnavailableError)):
         return Fault.TRANSIENT
     if isinstance(exc, (CorruptStoreError, StoreAccessError)):
         return Fault.FATAL

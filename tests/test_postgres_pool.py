@@ -11,6 +11,7 @@ from urllib.parse import quote
 import asyncpg
 import pytest
 import structlog
+from asyncpg import utils as asyncpg_utils
 from structlog.testing import capture_logs
 
 from hermes_async_memory import (
@@ -22,7 +23,12 @@ from hermes_async_memory import (
 from hermes_async_memory.logs import configure_logging, redact_credentials
 from hermes_async_memory.postgres import check, create_pool, open_pool, redact_dsn, upgrade
 from hermes_async_memory.postgres.dsn import dsn_secrets, scrub, settings_dsn
-from hermes_async_memory.postgres.pool import APPLICATION_NAME, close_pool
+from hermes_async_memory.postgres.pool import (
+    APPLICATION_NAME,
+    UnclassifiedErrors,
+    close_pool,
+    database_errors,
+)
 
 from .pg_server import PostgresServer, free_port
 
@@ -243,3 +249,78 @@ async def test_a_connection_cut_under_a_pool_becomes_unavailable(
     finally:
         await close_pool(pool)
 
+
+
+# -- what a driver's error means -----------------------------------------------------------
+
+
+def _raised_by_the_driver() -> BaseException:
+    """An error no class names, raised from inside the driver's code (a helper of its
+    given what it does not expect)."""
+    try:
+        asyncpg_utils._quote_ident(None)  # type: ignore[arg-type]
+    except AttributeError as raised:
+        return raised
+    raise AssertionError("the driver's helper took None")
+
+
+@pytest.mark.parametrize(("exc", "unavailable"), [
+    # The reported case: a pooled connection released while the server stops.
+    (asyncpg.InternalClientError("cannot switch to state 15; another operation (2) is in "
+                                 "progress"), True),
+    (asyncpg.InterfaceError("cannot call Connection.fetch(): the underlying connection is "
+                            "closed"), True),
+    (asyncpg.ConnectionDoesNotExistError("connection was closed in the middle of operation"),
+     True),
+    (asyncpg.AdminShutdownError("terminating connection due to administrator command"), True),
+    (asyncpg.CannotConnectNowError("the database system is starting up"), True),
+    (asyncpg.TooManyConnectionsError("sorry, too many clients already"), True),
+    (ConnectionResetError(104, "Connection reset by peer"), True),
+    (ConnectionRefusedError(111, "Connection refused"), True),
+    (TimeoutError(), True),
+    (asyncpg.UniqueViolationError("duplicate key value violates unique constraint"), False),
+    (asyncpg.InvalidPasswordError("password authentication failed"), False),
+    (asyncpg.UndefinedTableError('relation "jobs" does not exist'), False),
+    (asyncpg.exceptions.ClientConfigurationError("invalid sslmode"), False),
+    (FileNotFoundError(2, "No such file", "/etc/ca.pem"), False),
+])
+async def test_driver_errors_are_typed_by_what_they_mean(exc: BaseException,
+                                                         unavailable: bool) -> None:
+    """An outage (server down, connection lost, out of slots) raises
+    DatabaseUnavailableError, which every part waits out; a refusal raises DatabaseError."""
+    with pytest.raises(DatabaseError) as raised:
+        async with database_errors("postgresql://me:pw@db/mem"):
+            raise exc
+    assert isinstance(raised.value, DatabaseUnavailableError) is unavailable
+    assert "pw" not in str(raised.value).replace("PostgreSQL", "")
+
+
+async def test_an_unclassified_driver_error_is_an_outage_for_a_bounded_time() -> None:
+    """An error from inside the driver that no class names counts as an outage until it has
+    gone on for the limit with no success between; then it is a failure. A success
+    starts the count again."""
+    now = [0.0]
+    window = UnclassifiedErrors(limit_s=60.0, clock=lambda: now[0])
+    odd = _raised_by_the_driver()
+
+    async def once(exc: BaseException | None) -> type[BaseException] | None:
+        try:
+            async with database_errors("postgresql://db/mem", window):
+                if exc is not None:
+                    raise exc
+        except DatabaseError as raised:
+            return type(raised)
+        return None
+
+    assert await once(odd) is DatabaseUnavailableError
+    now[0] = 59.0
+    assert await once(odd) is DatabaseUnavailableError
+    now[0] = 60.0
+    assert await once(odd) is DatabaseError  # a minute without a success: it counts
+    assert await once(None) is None
+    now[0] = 100.0
+    assert await once(odd) is DatabaseUnavailableError  # counted afresh
+    # Our own code's errors are not the driver's: they pass through as they are.
+    with pytest.raises(KeyError):
+        async with database_errors("postgresql://db/mem", window):
+            raise KeyError("ours")

@@ -109,7 +109,7 @@ from .jobs import JOBS_CHANNEL
 from .listen import Listener
 from .notices import WRITES_CHANNEL, notify_payload, parse_notice
 from .operations import apply_session, apply_template, clean, phases
-from .pool import close_pool, create_pool, database_errors
+from .pool import UnclassifiedErrors, close_pool, create_pool, database_errors
 from .recall import recall_block
 from .schema import check
 from .statements import (
@@ -189,6 +189,7 @@ class PostgresBackend(Backend):
         self.origin = uuid.uuid4().hex[:16]
         self.listener: Listener | None = None
         self.counts: Counter[str] = Counter()
+        self._unclassified = UnclassifiedErrors(clock=clock)
 
     def __repr__(self) -> str:
         return f"PostgresBackend(dsn={redact_dsn(self._dsn)!r})"
@@ -242,7 +243,7 @@ class PostgresBackend(Backend):
             if self._pool is None:
                 pool = await create_pool(self._settings)
                 try:
-                    async with database_errors(self._dsn):
+                    async with database_errors(self._dsn, self._unclassified):
                         await check(pool)
                 except BaseException:
                     await close_pool(pool)
@@ -310,7 +311,7 @@ class PostgresBackend(Backend):
             BackendError: the backend is closed.
         """
         pool = await self._ensure_pool()
-        async with database_errors(self._dsn):
+        async with database_errors(self._dsn, self._unclassified):
             async with pool.acquire() as conn, conn.transaction():
                 written = await self._apply(conn, turns, maybe_sent)
                 await conn.execute(
@@ -591,7 +592,7 @@ class PostgresBackend(Backend):
             return None
         try:
             pool = await self._ensure_pool()
-            async with database_errors(self._dsn):
+            async with database_errors(self._dsn, self._unclassified):
                 block = await recall_block(pool, request, self._settings)
         except DatabaseUnavailableError as exc:
             self._mark_down(exc)

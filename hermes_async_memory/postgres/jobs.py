@@ -56,13 +56,16 @@ WITH picked AS (
     SELECT id FROM jobs
     WHERE kind = ANY($1::text[])
       AND ((status = 'queued' AND run_after <= now())
-           OR (status = 'running' AND lease_until < now()))
+           OR (status = 'running' AND lease_until < now())
+           OR (status = 'running' AND lease_owner = $3 AND NOT id = ANY($5::bigint[])))
     ORDER BY id
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 )
 UPDATE jobs SET status = 'running', lease_owner = $3,
-       lease_until = now() + make_interval(secs => $4), attempts = jobs.attempts + 1,
+       lease_until = now() + make_interval(secs => $4),
+       attempts = jobs.attempts + CASE WHEN jobs.status = 'running' AND jobs.lease_owner = $3
+                                       AND jobs.lease_until >= now() THEN 0 ELSE 1 END,
        updated_at = now()
 FROM picked WHERE jobs.id = picked.id
 RETURNING jobs.id, jobs.kind, jobs.key, jobs.payload, jobs.attempts, jobs.lease_until
@@ -127,10 +130,12 @@ async def enqueue(pool: Pool[Record], kind: str, payload: str = "{}", *,
 
 
 async def claim(pool: Pool[Record], owner: str, kinds: Sequence[str], *, lease_s: float,
-                limit: int = 1) -> list[Job]:
+                limit: int = 1, held: Sequence[int] = ()) -> list[Job]:
     """Up to ``limit`` jobs of ``kinds`` for ``owner`` (unique per worker process), each
-    leased for ``lease_s``: queued ones whose time has come and running ones whose lease
-    expired, oldest first. Empty when there is none.
+    leased for ``lease_s``: queued ones whose time has come, running ones whose lease
+    expired, and running ones leased to ``owner`` already but not in ``held`` (the jobs it
+    runs): a claim whose answer a lost connection never delivered is taken again at once,
+    not after its lease, and without counting a claim. Oldest first; empty when none.
 
     Raises:
         ConfigurationError: ``lease_s`` or ``limit`` is not positive.
@@ -139,7 +144,8 @@ async def claim(pool: Pool[Record], owner: str, kinds: Sequence[str], *, lease_s
     if lease_s <= 0 or limit <= 0:
         raise ConfigurationError(f"lease_s and limit must be positive, got {lease_s}, {limit}")
     async with pool.acquire() as conn:
-        rows = await conn.fetch(_CLAIM, list(kinds), limit, owner, float(lease_s))
+        rows = await conn.fetch(_CLAIM, list(kinds), limit, owner, float(lease_s),
+                                [int(i) for i in held])
     return [Job(id=r["id"], kind=r["kind"], key=r["key"], payload=r["payload"],
                 attempts=r["attempts"], owner=owner, lease_until=r["lease_until"])
             for r in sorted(rows, key=lambda r: int(r["id"]))]

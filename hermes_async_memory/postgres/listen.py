@@ -25,7 +25,7 @@ from ..errors import DatabaseUnavailableError, describe
 from ..retry import Backoff
 from ..settings import Settings
 from .dsn import redact_dsn, settings_dsn
-from .pool import connect, database_errors
+from .pool import UnclassifiedErrors, connect, database_errors
 
 if TYPE_CHECKING:
     from asyncpg import Connection, Record
@@ -50,6 +50,7 @@ class Listener:
         self.connected = False
         self.connects = 0
         self.notifications = 0
+        self._unclassified = UnclassifiedErrors()
 
     def subscribe(self, channel: str, callback: Callable[[str], None]) -> None:
         """Call ``callback(payload)`` on the event loop for each notification on
@@ -90,7 +91,7 @@ class Listener:
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _conn: lost.set())
         try:
-            async with database_errors(self._dsn):
+            async with database_errors(self._dsn, self._unclassified):
                 for channel, callbacks in self._channels.items():
                     await conn.add_listener(channel, self._dispatch(callbacks))
         except DatabaseUnavailableError as exc:

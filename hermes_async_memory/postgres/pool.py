@@ -10,9 +10,10 @@ the password before it becomes our message, and the driver's error is kept as ``
 from __future__ import annotations
 
 import asyncio
+import os
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import asyncpg
@@ -29,33 +30,122 @@ APPLICATION_NAME = "hermes-memory"  # what pg_stat_activity shows for our connec
 # Closing the pool waits this long for connections in use to come back, then cuts them.
 CLOSE_TIMEOUT_S = 5.0
 
-# The driver's failures: a server's error, the client's, the network's.
-DRIVER_ERRORS: tuple[type[BaseException], ...] = (
-    asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError,
-    asyncio.TimeoutError)
-# And at connect, where a DSN the driver cannot read is a ValueError (a port not a number).
-CONNECT_ERRORS: tuple[type[BaseException], ...] = (*DRIVER_ERRORS, ValueError)
-# Those that say the server cannot be reached now, rather than that something is wrong:
-# refused or lost connections (an OSError: asyncpg joins the errors of several addresses in
-# a plain one), time-outs, a server shutting down or starting up, or out of connection
-# slots. The outage path waits and tries again; the rest are reported.
-UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
-    OSError, TimeoutError, asyncio.TimeoutError,
-    asyncpg.PostgresConnectionError, asyncpg.AdminShutdownError, asyncpg.CrashShutdownError,
-    asyncpg.CannotConnectNowError, asyncpg.TooManyConnectionsError)
+# What a driver's error means, for what to do about it:
+#   UNAVAILABLE  the server cannot be reached now (refused, timed out, shutting down or
+#                starting up, out of connection slots or other resources): wait, try again
+#   LOST         a connection broke under an operation (closed, reset, left in a state it
+#                cannot leave): the pool replaces it; wait, try again
+#   REFUSED      the server or the driver refused what was asked (bad data, a wrong
+#                password, a certificate that does not verify): waiting will not mend it
+#   UNCLASSIFIED raised from inside the driver with none of those meanings: an outage for
+#                ``UNCLASSIFIED_LIMIT_S`` of failures without a success between, then refused
+UNAVAILABLE = "unavailable"
+LOST = "lost"
+REFUSED = "refused"
+UNCLASSIFIED = "unclassified"
+# Errors of no known meaning count as an outage for this long without a success between.
+UNCLASSIFIED_LIMIT_S = 60.0
+# SQLSTATE classes and codes that mean "not now" rather than "no": connection exceptions,
+# insufficient resources (no connection slot, disk full, out of memory), and a server
+# shutting down, crashed, or starting up (admin_shutdown, crash_shutdown,
+# cannot_connect_now) or that ended an idle session.
+_UNAVAILABLE_SQLSTATE_CLASSES = ("08", "53")
+_UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "57P05"})
 # OSErrors that waiting will not mend: a certificate the server's does not verify against, a
 # root certificate file that is missing or unreadable.
 LASTING_OS_ERRORS: tuple[type[BaseException], ...] = (
     ssl.SSLError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+# The driver's own errors that say what was asked cannot be done with this server or these
+# options (InterfaceError's other subclasses mean the connection broke under the call).
+_REFUSED_INTERFACE_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.ClientConfigurationError,
+    asyncpg.exceptions.UnsupportedClientFeatureError,
+    asyncpg.exceptions.UnsupportedServerFeatureError)
+# Where the driver's code lives: an error raised from there is the driver's.
+_DRIVER_DIR = os.path.dirname(asyncpg.__file__) + os.sep
+# The driver's failures that ``database_errors`` turns into ours: its own errors (server's,
+# client's), the network's and time-outs; anything else raised from inside the driver is
+# classified by where it came from (``classify``).
+DRIVER_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError, OSError,
+    TimeoutError, asyncio.TimeoutError)
 
 
-def database_error(exc: BaseException, dsn: str) -> DatabaseError:
+def classify(exc: BaseException) -> str | None:
+    """What the driver's error ``exc`` means: ``UNAVAILABLE``, ``LOST``, ``REFUSED`` or
+    ``UNCLASSIFIED`` (see above); None when it is not the driver's (raised by other code,
+    which handles it)."""
+    if isinstance(exc, LASTING_OS_ERRORS):
+        return REFUSED
+    if isinstance(exc, (OSError, TimeoutError, asyncio.TimeoutError)):
+        return UNAVAILABLE  # ConnectionError (refused, reset) included
+    if isinstance(exc, asyncpg.PostgresError):
+        state = str(getattr(exc, "sqlstate", None) or "")
+        if isinstance(exc, asyncpg.PostgresConnectionError) or state.startswith("08"):
+            return LOST if isinstance(exc, asyncpg.ConnectionDoesNotExistError) else UNAVAILABLE
+        if state[:2] in _UNAVAILABLE_SQLSTATE_CLASSES or state in _UNAVAILABLE_SQLSTATES:
+            return UNAVAILABLE
+        return REFUSED if len(state) == 5 else UNCLASSIFIED
+    if isinstance(exc, asyncpg.InterfaceError):
+        return REFUSED if isinstance(exc, _REFUSED_INTERFACE_ERRORS) else LOST
+    if isinstance(exc, asyncpg.exceptions.TargetServerAttributeNotMatched):
+        return UNAVAILABLE  # a failover: no server of the kind asked for, yet
+    if isinstance(exc, asyncpg.InternalClientError):
+        # "cannot switch to state 15; another operation is in progress": a connection
+        # released while an operation on it was cut by the server going away.
+        return LOST
+    if _raised_in_driver(exc):
+        return UNCLASSIFIED
+    return None
+
+
+def _raised_in_driver(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.startswith(_DRIVER_DIR):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` (ours or the driver's) says the database cannot be used now, rather
+    than that it refused something: waiting mends it."""
+    if isinstance(exc, DatabaseUnavailableError):
+        return True
+    return classify(exc) in (UNAVAILABLE, LOST)
+
+
+class UnclassifiedErrors:
+    """How long the driver's errors of no known meaning have gone on with no success
+    between: an outage while that is under ``limit_s``, refused after. One per part that
+    waits out outages (``database_errors(..., unclassified=)``)."""
+
+    def __init__(self, limit_s: float = UNCLASSIFIED_LIMIT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit_s = limit_s
+        self._clock = clock
+        self._since: float | None = None
+
+    def succeeded(self) -> None:
+        self._since = None
+
+    def failed(self) -> bool:
+        """Note one more; whether it still counts as an outage."""
+        now = self._clock()
+        if self._since is None:
+            self._since = now
+        return now - self._since < self.limit_s
+
+
+def database_error(exc: BaseException, dsn: str, *, meaning: str | None = None
+                   ) -> DatabaseError:
     """``exc`` (an error of the driver's) as ours, naming the database by its redacted DSN;
-    ``DatabaseUnavailableError`` when it says the server cannot be reached now."""
+    ``DatabaseUnavailableError`` when it means the server cannot be used now (``meaning``,
+    else ``classify(exc)``: unavailable, or a connection lost)."""
     shown = redact_dsn(dsn)
-    unavailable = (isinstance(exc, UNAVAILABLE_ERRORS)
-                   and not isinstance(exc, LASTING_OS_ERRORS))
-    kind = DatabaseUnavailableError if unavailable else DatabaseError
+    meaning = meaning or classify(exc)
+    kind = DatabaseUnavailableError if meaning in (UNAVAILABLE, LOST) else DatabaseError
     error = kind(f"PostgreSQL at {shown}: {scrub(describe(exc), dsn)}", dsn=shown)
     leaks = f"{exc} {exc.args!r}"
     error.__cause__ = None if any(s in leaks for s in dsn_secrets(dsn)) else exc
@@ -65,17 +155,31 @@ def database_error(exc: BaseException, dsn: str) -> DatabaseError:
 
 
 @asynccontextmanager
-async def database_errors(dsn: str) -> AsyncIterator[None]:
-    """Within: the driver's errors are raised as ``database_error(exc, dsn)``.
+async def database_errors(dsn: str, unclassified: UnclassifiedErrors | None = None
+                          ) -> AsyncIterator[None]:
+    """Within: the driver's errors are raised as ``database_error(exc, dsn)``, by what they
+    mean (``classify``). Those of no known meaning count as an outage while ``unclassified``
+    says so (without one, always: the caller tries once).
 
     Raises:
-        DatabaseUnavailableError: the server cannot be reached now.
+        DatabaseUnavailableError: the server cannot be reached now, or the connection broke.
         DatabaseError: any other failure of the driver or the server.
     """
     try:
         yield
-    except DRIVER_ERRORS as exc:
-        raise database_error(exc, dsn)  # noqa: B904 (its cause is chosen in database_error)
+    except Exception as exc:
+        meaning = classify(exc)
+        if meaning is None:
+            raise
+        if meaning == UNCLASSIFIED:
+            outage = unclassified is None or unclassified.failed()
+            if outage:
+                log.warning("postgres_error_unclassified", error=describe(exc),
+                            exc_info=exc)
+            meaning = LOST if outage else REFUSED
+        raise database_error(exc, dsn, meaning=meaning)  # noqa: B904 (cause chosen there)
+    if unclassified is not None:
+        unclassified.succeeded()
 
 
 def _checked_dsn(settings: Settings) -> str:
@@ -106,8 +210,8 @@ async def create_pool(settings: Settings) -> Pool[Record]:
             max_size=settings.postgres_pool_max_size,
             timeout=settings.postgres_connect_timeout_s,
             server_settings={"application_name": APPLICATION_NAME})
-    except CONNECT_ERRORS as exc:
-        raise database_error(exc, dsn)  # noqa: B904 (its cause is chosen in database_error)
+    except Exception as exc:
+        raise _connect_error(exc, dsn)  # noqa: B904 (its cause is chosen in database_error)
     log.info("postgres.pool_open", dsn=redact_dsn(dsn),
              min_size=settings.postgres_pool_min_size,
              max_size=settings.postgres_pool_max_size,
@@ -127,9 +231,20 @@ async def connect(settings: Settings) -> asyncpg.Connection[Record]:
         conn: asyncpg.Connection[Record] = await asyncpg.connect(
             dsn, timeout=settings.postgres_connect_timeout_s,
             server_settings={"application_name": APPLICATION_NAME})
-    except CONNECT_ERRORS as exc:
-        raise database_error(exc, dsn)  # noqa: B904 (its cause is chosen in database_error)
+    except Exception as exc:
+        raise _connect_error(exc, dsn)  # noqa: B904 (its cause is chosen in database_error)
     return conn
+
+
+def _connect_error(exc: Exception, dsn: str) -> Exception:
+    """What a failed connect raises: a DSN the driver cannot read (a ValueError, a port not
+    a number) is refused; the driver's other errors by what they mean; the rest as is."""
+    meaning = classify(exc)
+    if isinstance(exc, ValueError) and meaning in (None, UNCLASSIFIED):
+        meaning = REFUSED
+    if meaning is None:
+        return exc
+    return database_error(exc, dsn, meaning=LOST if meaning == UNCLASSIFIED else meaning)
 
 
 @asynccontextmanager

@@ -45,7 +45,7 @@ from ..store import SqliteStore
 from .dsn import settings_dsn
 from .jobs import Job, complete_in, enqueue
 from .listen import Listener
-from .pool import close_pool, database_errors
+from .pool import UnclassifiedErrors, close_pool, database_errors
 from .recall import recall_block
 
 if TYPE_CHECKING:
@@ -153,6 +153,7 @@ class JobRecaller:
         self.queued = 0
         self.answered = 0
         self.fallbacks = 0
+        self._unclassified = UnclassifiedErrors()
 
     @property
     def ready(self) -> bool:
@@ -188,7 +189,7 @@ class JobRecaller:
 
     async def _enqueue(self, pool: Pool[Record], key: CacheKey, query: str) -> None:
         user_id, session_id = key
-        async with database_errors(self._dsn):
+        async with database_errors(self._dsn, self._unclassified):
             with anyio.fail_after(ENQUEUE_TIMEOUT_S):
                 await enqueue(pool, RECALL_KIND,
                               recall_payload(user_id, session_id, query, self.origin),
@@ -281,7 +282,7 @@ class JobRecaller:
 
     async def _read(self, pool: Pool[Record], keys: Iterable[CacheKey]) -> None:
         wanted = list(keys)
-        async with database_errors(self._dsn):
+        async with database_errors(self._dsn, self._unclassified):
             with anyio.fail_after(READ_TIMEOUT_S):
                 rows = await pool.fetch(READ_RESULTS, [u or "" for u, _ in wanted],
                                         [s for _, s in wanted], self.origin)

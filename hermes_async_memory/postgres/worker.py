@@ -62,7 +62,7 @@ from .jobs import (
     renew,
 )
 from .listen import Listener
-from .pool import close_pool, create_pool, database_errors
+from .pool import UnclassifiedErrors, close_pool, create_pool, database_errors, is_outage
 from .schema import check
 
 if TYPE_CHECKING:
@@ -89,12 +89,10 @@ RECHECK_S = 0.05
 RECHECK_CAP_S = 1.0
 # A stopping runner gives its unfinished jobs back within this long.
 GIVE_BACK_S = 2.0
-# Completing a job whose handler returned is tried this many times while the database is
-# unreachable; then its lease runs out and another worker runs it again.
-COMPLETE_TRIES = 5
 MAX_ATTEMPTS = 5
 # The counters ``stats()`` reports.
-COUNTERS = ("claims", "claimed", "completed", "failed", "leases_lost", "dead", "given_back")
+COUNTERS = ("claims", "claimed", "completed", "failed", "leases_lost", "dead", "given_back",
+            "cut_short")
 
 
 def default_owner() -> str:
@@ -154,12 +152,16 @@ class JobRunner:
         self.counts: Counter[str] = Counter() if counts is None else counts
         self._running: set[_Run] = set()
         self._abandoned: list[Job] = []
+        # Jobs whose run an outage cut short: handed back (their claims not counted) as soon
+        # as the database answers again, not left to their leases.
+        self._hand_back: list[Job] = []
         self._wake = asyncio.Event()
         self._freed = asyncio.Event()
         self._rechecks = 0
         # Waiting for work: nothing was claimable at its last look.
         self.idle = False
         self._quiet = asyncio.Event()  # idle, and no job running
+        self._unclassified = UnclassifiedErrors()
         if listener is not None:
             listener.subscribe(JOBS_CHANNEL, self._notified)
             listener.on_connect(self.wake)
@@ -212,8 +214,11 @@ class JobRunner:
                     self._wake.clear()  # before the claim: a NOTIFY during it is kept
                     limit = min(free, CLAIM_BATCH)
                     try:
+                        await self._hand_back_cut()
+                        held = [r.job.id for r in self._running]
                         jobs = await self._db(claim(self._pool, self.owner, self._kinds,
-                                                    lease_s=self._lease_s, limit=limit))
+                                                    lease_s=self._lease_s, limit=limit,
+                                                    held=held))
                         self.counts["claims"] += 1
                         for job in jobs:
                             self._start(tg, job)
@@ -229,6 +234,15 @@ class JobRunner:
                     await self._idle(self._sleep_for(due))
         finally:
             await self._give_back()
+
+    async def _hand_back_cut(self) -> None:
+        if not self._hand_back:
+            return
+        jobs = list(self._hand_back)
+        n = await self._db(give_back(self._pool, jobs))
+        del self._hand_back[:len(jobs)]
+        self.counts["given_back"] += n
+        log.info("jobs_handed_back", jobs=n, owner=self.owner, reason="database_outage")
 
     def _sleep_for(self, due: float | None) -> float:
         if due is None:
@@ -263,7 +277,7 @@ class JobRunner:
     async def _db(self, call: Awaitable[T]) -> T:
         """``call`` (one of ``jobs``' functions) with the driver's errors as ours and a
         time-out, past which the database counts as unreachable."""
-        async with database_errors(self._dsn):
+        async with database_errors(self._dsn, self._unclassified):
             with anyio.fail_after(DB_TIMEOUT_S):
                 return await call
 
@@ -328,12 +342,23 @@ class JobRunner:
             if run.note.completed or await self._complete(run):
                 run.settled = True
                 self.counts["completed"] += 1
+        elif isinstance(outcome, BaseException) and is_outage(outcome):
+            self._cut_short(run, outcome)
         else:
             assert isinstance(outcome, BaseException)
             await self._release(run, outcome)
         if not run.settled:  # its lease runs out, and it runs again then
             run.settled = True
             log.error("job_left_leased", job=job.id, kind=job.kind, attempts=job.attempts)
+
+    def _cut_short(self, run: _Run, exc: BaseException) -> None:
+        """An outage cut the job's run: it goes back, its claim not counted, once the
+        database answers (the claim loop hands it back before its next claim)."""
+        run.settled = True
+        self._hand_back.append(run.job)
+        self.counts["cut_short"] += 1
+        log.warning("job_cut_short", job=run.job.id, kind=run.job.kind, error=describe(exc))
+        self.wake()
 
     def _lost(self, run: _Run) -> None:
         run.settled = True
@@ -344,7 +369,8 @@ class JobRunner:
     async def _complete(self, run: _Run) -> bool:
         """Complete the job of a handler that returned; whether it is done (a lost lease
         is counted, and so settled)."""
-        for tries in range(1, COMPLETE_TRIES + 1):
+        tries = 0
+        while True:
             try:
                 await self._db(complete(self._pool, run.job))
                 return True
@@ -352,9 +378,11 @@ class JobRunner:
                 self._lost(run)
                 return False
             except DatabaseUnavailableError as exc:
-                if tries == COMPLETE_TRIES:
-                    log.error("job_complete_failed", job=run.job.id, error=describe(exc))
-                    return False
+                # Waited out: the lease may run out meanwhile, and the completion then
+                # finds it taken over (counted lost; the other run counts).
+                tries += 1
+                if tries == 1:
+                    log.warning("job_complete_waiting", job=run.job.id, error=describe(exc))
                 await anyio.sleep(self._backoff.delay(tries))
             except DatabaseError as exc:
                 log.error("job_complete_failed", job=run.job.id, error=describe(exc))
@@ -375,6 +403,8 @@ class JobRunner:
             log.warning("job_failed", job=job.id, kind=job.kind, attempts=job.attempts,
                         error=describe(exc), release_error=describe(release_exc),
                         exc_info=exc)
+            if is_outage(release_exc):
+                self._cut_short(run, release_exc)
             return
         run.settled = True
         if again:
@@ -387,7 +417,8 @@ class JobRunner:
         self.wake()  # its new time may be the next one due
 
     async def _give_back(self) -> None:
-        jobs, self._abandoned = self._abandoned, []
+        jobs, self._abandoned = self._abandoned + self._hand_back, []
+        self._hand_back = []
         if not jobs:
             return
         with anyio.CancelScope(shield=True), anyio.move_on_after(GIVE_BACK_S):
@@ -456,6 +487,7 @@ async def open_when_reachable(settings: Settings, backoff: Backoff, *, part: str
         DatabaseError: the server refused us for a reason waiting will not mend.
     """
     dsn = settings_dsn(settings)
+    unclassified = UnclassifiedErrors()
     failures = 0
     while True:
         try:
@@ -468,7 +500,7 @@ async def open_when_reachable(settings: Settings, backoff: Backoff, *, part: str
             await anyio.sleep(backoff.delay(failures))
             continue
         try:
-            async with database_errors(dsn):
+            async with database_errors(dsn, unclassified):
                 await check(pool)
         except (DatabaseUnavailableError, SchemaVersionError) as exc:
             await close_pool(pool)
