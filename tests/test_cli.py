@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,6 +53,27 @@ def test_worker_help_shows_the_worker_options(capsys: pytest.CaptureFixture[str]
     assert out.startswith("usage: hermes-memory worker")
     for option in ("--db", "--deadline", "--demo", "--log-format"):
         assert option in out
+
+
+def _helps(parser: argparse.ArgumentParser, name: str) -> Iterator[tuple[str, str]]:
+    yield name, parser.format_help()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                yield from _helps(subparser, f"{name} {sub}")
+
+
+def test_no_help_text_shows_a_placeholder_unfilled() -> None:
+    """Every command's help names the environment variables by their names: none prints
+    ``${HTTP_ENV}`` or ``{NAME}`` as written in the source."""
+    from hermes_async_memory.worker.main import HTTP_ENV, build_parser
+
+    helps = dict(_helps(cli.build_parser(), "hermes-memory"))
+    helps["hermes-memory worker"] = build_parser("hermes-memory worker").format_help()
+    assert len(helps) > 10
+    for name, text in helps.items():
+        assert not re.search(r"\{[A-Za-z_]+\}", text), f"{name}: {text}"
+    assert f"${HTTP_ENV}" in " ".join(helps["hermes-memory worker"].split())
 
 
 def test_a_db_path_under_a_file_is_one_line_and_exit_1(tmp_path: Path) -> None:

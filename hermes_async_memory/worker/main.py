@@ -99,7 +99,7 @@ def build_parser(prog: str = DEFAULT_PROG) -> argparse.ArgumentParser:
     parser.add_argument(
         "--http", type=_http_address, metavar="HOST:PORT",
         help="serve GET /healthz and GET /metrics (Prometheus) on this address, and the memory "
-             "inspector at /ui; port 0 picks a free one (default: ${HTTP_ENV}, else off). An "
+             f"inspector at /ui; port 0 picks a free one (default: ${HTTP_ENV}, else off). An "
              f"address other machines can reach needs ${TOKEN_ENV} for the inspector",
     )
     parser.add_argument(
