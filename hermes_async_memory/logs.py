@@ -2,11 +2,15 @@
 
 Modules only do ``log = structlog.get_logger(__name__)``; ``configure_logging`` is the one place
 that calls ``structlog.configure``. Lines go to stderr, so stdout stays for what a command prints.
+The standard ``logging`` records of dependencies (asyncpg's pool, say) and ``warnings`` go
+through the same renderer: with JSON, every line on stderr is one JSON object, a traceback
+inside it.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import sys
 from collections.abc import Mapping, MutableMapping
@@ -98,7 +102,7 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
     stream = sys.stderr
     if json is None:
         json = not stream.isatty()
-    processors: list[Processor] = [
+    first: list[Processor] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -107,14 +111,17 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
     ]
     # Tracebacks without the frames' local variables: those hold what the code was given, a
     # DSN with its password, an API key, users' messages (structlog renders them by default).
+    render: list[Processor]
     if json:
-        processors += [
+        render = [
             structlog.processors.ExceptionRenderer(
                 structlog.tracebacks.ExceptionDictTransformer(show_locals=False)),
             structlog.processors.JSONRenderer()]
     else:
-        processors.append(structlog.dev.ConsoleRenderer(
-            colors=stream.isatty(), exception_formatter=_console_tracebacks()))
+        render = [structlog.dev.ConsoleRenderer(
+            colors=stream.isatty(), exception_formatter=_console_tracebacks())]
+    processors = first + render
+    _route_standard_logging(first, render, min_level)
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(min_level),
@@ -123,6 +130,36 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
         # module-level loggers too. The lookup costs ~1 µs, and lines are per batch.
         cache_logger_on_first_use=False,
     )
+
+
+class StandardLogging(logging.StreamHandler):  # type: ignore[type-arg]
+    """The root logger's handler ``configure_logging`` installs: records rendered as
+    structlog's lines, to the ``sys.stderr`` of the moment (a test may swap it)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
+def _route_standard_logging(first: list[Processor], render: list[Processor],
+                            min_level: int) -> None:
+    """The root logger's records (a dependency's: asyncpg's pool tracebacks, say) and
+    ``warnings`` rendered as structlog's lines at ``min_level``; replaces the handler an
+    earlier call installed, leaves any other alone."""
+    handler = StandardLogging()
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_logger_name, *first],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *render]))
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if isinstance(h, StandardLogging)]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(min_level)
+    logging.captureWarnings(True)
 
 
 def _console_tracebacks() -> structlog.typing.ExceptionRenderer:

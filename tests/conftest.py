@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import AsyncIterator, Awaitable, Iterator
@@ -13,6 +14,7 @@ import structlog
 from playwright.async_api import Browser, BrowserContext, Page
 
 from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory.logs import StandardLogging
 
 from .browser import (
     BrowserUnavailable,
@@ -31,8 +33,14 @@ def _logging_as_it_was() -> Iterator[None]:
     """A command run in-process configures logging for its process (level, stream); the
     next test gets the configuration back as it was."""
     saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     yield
     structlog.configure(**saved)
+    for handler in root.handlers[:]:  # configure_logging's, not pytest's own
+        if isinstance(handler, StandardLogging) and handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -16,7 +18,13 @@ import structlog
 from structlog.testing import capture_logs
 
 from hermes_async_memory import ConfigurationError
-from hermes_async_memory.logs import REDACTED, configure_logging, is_secret_key, redact_secrets
+from hermes_async_memory.logs import (
+    REDACTED,
+    StandardLogging,
+    configure_logging,
+    is_secret_key,
+    redact_secrets,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,9 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def restore_structlog() -> Iterator[None]:
     """Each test may configure structlog; the next test gets the configuration back."""
     saved = structlog.get_config()
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     yield
     structlog.configure(**saved)
     structlog.contextvars.clear_contextvars()
+    for handler in root.handlers[:]:  # configure_logging's, not pytest's own
+        if isinstance(handler, StandardLogging) and handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
+    logging.captureWarnings(False)
 
 
 def json_lines(err: str) -> list[dict[str, Any]]:
@@ -98,6 +113,33 @@ def test_lines_below_the_level_are_dropped(capsys: pytest.CaptureFixture[str]) -
     log.info("batch_committed", turns=10)
     log.warning("batch_retry", attempt=1)
     assert [line["event"] for line in json_lines(capsys.readouterr().err)] == ["batch_retry"]
+
+
+def test_standard_logging_of_dependencies_is_one_json_object_per_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A dependency's records through the standard ``logging`` (asyncpg's pool logs its
+    reconnect failures with a traceback) and ``warnings`` come out as JSON lines like ours:
+    the traceback inside the object, a DSN's password redacted, the level applied."""
+    configure_logging(json=True, level="info")
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError:
+        logging.getLogger("asyncpg.pool").warning(
+            "Failed to restore the pool connection floor (postgresql://me:pw-77@db/mem)",
+            exc_info=True)
+    logging.getLogger("asyncpg.pool").debug("below the level")
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("a deprecated call", DeprecationWarning, stacklevel=1)
+    err = capsys.readouterr().err
+    lines = json_lines(err)  # each line parses, or this raises
+    assert len(lines) == len(err.splitlines()) == 2
+    pool, warned = lines
+    assert pool["logger"] == "asyncpg.pool" and pool["level"] == "warning"
+    assert pool["event"].startswith("Failed to restore the pool connection floor")
+    assert "pw-77" not in err
+    assert pool["exception"][0]["exc_type"] == "ConnectionResetError"
+    assert warned["logger"] == "py.warnings" and "a deprecated call" in warned["event"]
 
 
 def test_an_unknown_level_is_a_configuration_error() -> None:
