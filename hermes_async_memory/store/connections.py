@@ -13,9 +13,11 @@ import contextlib
 import errno
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import aiosqlite
@@ -215,7 +217,7 @@ class Connections:
         uri = "file:" + quote(str(self.path.resolve())) + "?mode=ro"
         try:
             for _ in range(self._readers_n):
-                conn = await aiosqlite.connect(uri, uri=True, isolation_level=None)
+                conn = await connect_daemon(uri, uri=True, isolation_level=None)
                 self._all_readers.append(conn)
                 self._readers.put_nowait(conn)
                 await conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
@@ -376,6 +378,26 @@ async def rollback(db: aiosqlite.Connection) -> None:
             still_open = False
         if still_open:
             log.error("store_rollback_failed", exc_info=True)
+
+
+async def connect_daemon(database: str, **kwargs: Any) -> aiosqlite.Connection:
+    """``aiosqlite.connect`` on a daemon thread: a read-only connection its opener forgot to
+    close never keeps the process alive (aiosqlite's own thread is not a daemon, so the
+    interpreter would wait for it forever at exit). For reads only: a writer's thread must
+    finish its statement, so the pipeline closes its writers itself.
+
+    Raises:
+        sqlite3.Error: the file cannot be opened.
+    """
+    conn = aiosqlite.connect(database, **kwargs)
+    # aiosqlite makes the thread in the constructor and starts it when awaited (0.17 to
+    # 0.22); a version that does otherwise fails here loudly rather than leaking threads.
+    thread = conn._thread
+    if not isinstance(thread, threading.Thread) or thread.is_alive():
+        raise RuntimeError("aiosqlite no longer starts its thread on await: "
+                           "connect_daemon needs updating")
+    thread.daemon = True
+    return await conn
 
 
 def _check_folder(path: Path) -> None:

@@ -1,0 +1,181 @@
+"""A damaged store file: a start that fails raises a typed error and leaves nothing behind
+(the process exits when its main returns), read-only opens never keep a process alive, and
+the worker prints one line and exits 1 for every kind of damage. Each in a real subprocess,
+with a deadline: a process left hanging is the failure these tests look for."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from hermes_async_memory import MemoryPipeline, Settings
+
+from .processes import Spawn
+
+# A process that has nothing left to do exits in well under a second; this only bounds a hang.
+EXIT_DEADLINE_S = 30.0
+
+
+async def store_with_turns(db: Path, turns: int = 300) -> None:
+    """A real store holding ``turns`` committed turns, its WAL folded into the file (so the
+    pages overwritten next are the ones that hold them)."""
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        for i in range(turns):
+            mem.sync_turn(f"question {i} about zebras in lisbon " * 8, f"answer {i} " * 20,
+                          session_id=f"s{i % 5}", user_id="u")
+        await mem.flush()
+    conn = sqlite3.connect(db, isolation_level=None)
+    try:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    finally:
+        conn.close()
+
+
+def garbage_pages(db: Path) -> None:
+    """Every page after the first holds random bytes; the header and schema page are intact."""
+    size = db.stat().st_size
+    with db.open("r+b") as f:
+        f.seek(4096)
+        f.write(os.urandom(size - 4096))
+
+
+def garbage_header(db: Path) -> None:
+    with db.open("r+b") as f:
+        f.write(os.urandom(100))
+
+
+def truncated(db: Path) -> None:
+    os.truncate(db, db.stat().st_size // 3)
+
+
+def truncated_inside_first_page(db: Path) -> None:
+    os.truncate(db, 1000)
+
+
+def foreign(db: Path) -> None:
+    db.unlink()
+    conn = sqlite3.connect(db)
+    try:
+        conn.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT)")
+        conn.execute("INSERT INTO notes (body) VALUES ('not a memory store')")
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def a_directory(db: Path) -> None:
+    db.unlink()
+    db.mkdir()
+
+
+async def test_a_start_that_fails_on_damaged_pages_raises_typed_and_the_process_exits(
+    spawn: Spawn, tmp_path: Path
+) -> None:
+    """Before: start() raised a raw sqlite3.DatabaseError and the process never exited (the
+    store's connection threads outlived it). Now CorruptStoreError, and once main returns
+    no thread of the library is left: the interpreter exits by itself."""
+    db = tmp_path / "m.db"
+    await store_with_turns(db)
+    garbage_pages(db)
+    script = textwrap.dedent(f"""
+        import asyncio, threading
+        from hermes_async_memory import MemoryPipeline, Settings
+
+        async def main():
+            mem = MemoryPipeline(Settings(db_path={str(db)!r}))
+            try:
+                await mem.start()
+            except Exception as exc:
+                print("raised", type(exc).__module__, type(exc).__name__, exc, flush=True)
+            else:
+                print("started", flush=True)
+            print("state", mem.state, flush=True)
+
+        asyncio.run(main())
+        left = [t.name for t in threading.enumerate()
+                if t is not threading.main_thread() and not t.daemon]
+        print("threads", left, flush=True)
+    """)
+    child = await spawn("-c", script)
+    assert await child.finish(EXIT_DEADLINE_S) == 0
+    lines = child.stdout.splitlines()
+    assert lines[0].startswith("raised hermes_async_memory.errors CorruptStoreError "), lines
+    assert "malformed" in lines[0]
+    assert lines[1] == "state new"  # nothing opened: a later start() may try again
+    # Only anyio's idle worker thread may remain, and it ends with the interpreter.
+    assert "_connection_worker_thread" not in lines[2], lines[2]
+
+
+@pytest.mark.parametrize("opener", ["store", "session_reads", "store_reader"])
+async def test_a_read_only_open_left_open_never_keeps_the_process_alive(
+    spawn: Spawn, tmp_path: Path, opener: str
+) -> None:
+    """A tool opens the store read-only and returns without closing it: the process still
+    exits (the read-only connections' threads are daemons)."""
+    db = tmp_path / "m.db"
+    await store_with_turns(db, turns=5)
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        from pathlib import Path
+        from hermes_async_memory.sessions import open_session_reads
+        from hermes_async_memory.store import SqliteStore
+        from hermes_async_memory.store.inspect import StoreReader
+
+        KEEP = []  # strongly referenced: nothing closes them
+
+        async def main():
+            path = Path({str(db)!r})
+            if {opener!r} == "store":
+                store = SqliteStore(path, readers=2)
+                await store.open_readonly()
+                KEEP.append(store)
+                async with store.reader() as conn:
+                    async with conn.execute("SELECT count(*) FROM messages") as cur:
+                        print("messages", (await cur.fetchone())[0], flush=True)
+            elif {opener!r} == "session_reads":
+                opened = open_session_reads(path)
+                reads = await opened.__aenter__()
+                KEEP.extend([opened, reads])
+                print("messages", (await reads.counts()).messages, flush=True)
+            else:
+                reader = StoreReader(path)
+                KEEP.append(reader)
+                print("messages", reader.status().messages, flush=True)
+
+        asyncio.run(main())
+    """)
+    child = await spawn("-c", script)
+    assert await child.finish(EXIT_DEADLINE_S) == 0, child.logs
+    assert child.stdout.split() == ["messages", "10"]
+
+
+DAMAGE: dict[str, Callable[[Path], None]] = {
+    "pages hold random bytes": garbage_pages,
+    "header holds random bytes": garbage_header,
+    "truncated to a third": truncated,
+    "truncated inside its first page": truncated_inside_first_page,
+    "another program's SQLite database": foreign,
+    "a directory": a_directory,
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+async def test_the_worker_prints_one_line_and_exits_1_for_a_damaged_store(
+    spawn: Spawn, tmp_path: Path, damage: str
+) -> None:
+    db = tmp_path / "m.db"
+    await store_with_turns(db, turns=100)
+    DAMAGE[damage](db)
+    child = await spawn("-m", "hermes_async_memory.cli", "worker", "--db", str(db),
+                        "--log-format", "json")
+    assert await child.finish(EXIT_DEADLINE_S) == 1
+    plain = [rec["raw"] for rec in child.logs if rec["event"] is None]
+    assert len(plain) == 1, child.logs
+    assert plain[0].startswith("hermes-memory worker: error: ")
+    assert str(db) in plain[0]
+    assert "Traceback" not in "".join(str(rec) for rec in child.logs)
