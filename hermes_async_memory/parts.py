@@ -22,6 +22,7 @@ import structlog
 from .errors import PipelineClosedError, PipelineFailedError, describe
 from .maintenance import Maintenance
 from .outbox import Outbox, Recovery
+from .outbox.destroyed import report_destroyed
 from .recall.query import query_terms
 from .recall.service import LocalRecaller, RecallService
 from .replicator import Replicator
@@ -191,6 +192,7 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
             # appends are refused, typed, until maintenance makes a segment.
             p.conditions.set(DISK_FULL, f"no space left for an outbox segment in "
                                         f"{outbox.directory}")
+        await report_destroyed(outbox, store, p.conditions)
         plan = outbox.prefault_plan()
         if plan:
             await anyio.to_thread.run_sync(Outbox.prefault, plan)
@@ -336,7 +338,8 @@ def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
                                                    else parts.server.waiting),
         warm_backlog=r.warm_backlog, warms_shed=r.warms_shed,
         sessions_warmed=r.sessions_warmed, quarantined_regions=c.quarantined_regions,
-        quarantined_bytes=c.quarantined_bytes, heap_trims=parts.maintenance.heap_trims,
+        quarantined_bytes=c.quarantined_bytes, destroyed_turns=c.destroyed_turns,
+        heap_trims=parts.maintenance.heap_trims,
         inbox_turns=inbox_n,
         inbox_oldest_age_s=(0.0 if inbox_oldest is None
                             else max(0.0, time.time() - inbox_oldest)),

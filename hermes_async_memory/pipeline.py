@@ -43,6 +43,7 @@ from .errors import (
 from .fence import Fence
 from .memory.backends import memory_for
 from .metrics import PipelineObserver
+from .outbox.destroyed import DESTROYED_FILE, OUTBOX_DESTROYED
 from .parts import Parts, build_parts, collect_stats
 from .procedural.api import ProceduralMemory
 from .recall.cache import PrefetchStatus, RecallCache
@@ -216,6 +217,12 @@ class MemoryPipeline:
 
     def health(self) -> Health:
         """Whether the pipeline works, and what troubles it meanwhile (``/healthz``)."""
+        directory = self.outbox_dir
+        if (directory is not None and OUTBOX_DESTROYED in self.conditions
+                and not (directory / DESTROYED_FILE).exists()):
+            self.conditions.clear(OUTBOX_DESTROYED)  # `outbox clear-destroyed` removed it
+            if self._parts is not None:
+                self._parts.outbox.destroyed_turns = 0
         conditions = self.conditions.snapshot()
         if self._failure is not None:
             return Health(self.state, False, str(self._failure), conditions)

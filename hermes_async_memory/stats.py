@@ -53,6 +53,9 @@ class PipelineStats:
     # Damaged outbox bytes set aside at start (see the outbox's quarantine folder).
     quarantined_regions: int = 0
     quarantined_bytes: int = 0
+    # Acknowledged outbox records found destroyed (a segment cut short), until an operator
+    # clears it: ``hermes-memory outbox clear-destroyed``.
+    destroyed_turns: int = 0
     # Times the heap's free memory was given back to the system after a backlog drained.
     heap_trims: int = 0
     # Several processes, one memory (a worker's view; zero elsewhere).

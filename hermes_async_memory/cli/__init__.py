@@ -87,6 +87,7 @@ _COMMAND_MODULES = (
     "hermes_async_memory.cli.sessions",
     "hermes_async_memory.cli.templates",
     "hermes_async_memory.cli.dead_letters",
+    "hermes_async_memory.cli.outbox",
     "hermes_async_memory.cli.evaluate",
     "hermes_async_memory.cli.db",
     "hermes_async_memory.cli.ui",

@@ -66,6 +66,14 @@ def _scan_outbox(settings: Settings) -> tuple[list[Path], list[RecordSummary]]:
     return segments, records
 
 
+def _destroyed(settings: Settings) -> int:
+    """Acknowledged turns recorded destroyed in the outbox and not cleared since."""
+    from ..outbox.destroyed import read_destroyed
+
+    doc = read_destroyed(settings.outbox_dir) if settings.outbox_dir.is_dir() else None
+    return 0 if doc is None else int(doc.get("turns", 0))
+
+
 def _status(args: argparse.Namespace) -> int:
     settings = settings_of(args)
     report: dict[str, Any] = {"db": str(settings.db_path)}
@@ -99,6 +107,7 @@ def _status(args: argparse.Namespace) -> int:
         inbox_turns=counts.inbox_turns,
         outbox_unreadable_records=sum(r.key is None for r in pending),
         outbox_error=outbox_error,
+        outbox_destroyed_turns=_destroyed(settings),
         lag_s=round(max(0.0, now - min(accepted)), 3) if accepted else None,
         dead_letters=counts.outbox_table.get("dead", 0),
         outbox_table=counts.outbox_table,
@@ -130,6 +139,10 @@ def _print_status(r: dict[str, Any]) -> None:
         if r["outbox_unreadable_records"]:
             line += f"; {r['outbox_unreadable_records']} records do not decode"
         rows.append(("outbox", line))
+    if r["outbox_destroyed_turns"]:
+        rows.append(("destroyed", f"{r['outbox_destroyed_turns']} acknowledged turns were "
+                                  "destroyed in the outbox (a segment cut short); clear "
+                                  "with: hermes-memory outbox clear-destroyed"))
     rows.append(("lag", "-" if r["lag_s"] is None
                  else f"{age(r['lag_s'])} (the oldest turn not committed yet)"))
     rows.append(("dead letters", str(r["dead_letters"])))

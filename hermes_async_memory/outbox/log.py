@@ -58,6 +58,9 @@ _RELEASE_STEP = 1024 * 1024
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
 _SEGMENT_OF = operator.attrgetter("segment")
 _PAYLOAD_OF = operator.attrgetter("payload")
+# A record's key as this library makes them (``MemoryPipeline.new_key``): the pipeline's
+# random prefix, then its accept counter in hex.
+_OUR_KEY = re.compile(r"([0-9a-f]{12})-([0-9a-f]+)")
 
 log = structlog.get_logger(__name__)
 
@@ -83,6 +86,14 @@ class Recovery:
 
 
 @dataclass(frozen=True, slots=True)
+class Destroyed:
+    """Acknowledged records an outbox segment no longer holds (cut short or emptied)."""
+
+    turns: int  # how many; a lower bound where nothing written after them tells the number
+    segments: tuple[int, ...]  # the segments found cut short
+
+
+@dataclass(frozen=True, slots=True)
 class OutboxCounts:
     pending_turns: int  # accepted, not settled
     pending_bytes: int
@@ -91,6 +102,7 @@ class OutboxCounts:
     segments: int
     quarantined_regions: int
     quarantined_bytes: int
+    destroyed_turns: int
 
 
 class Outbox:
@@ -125,6 +137,12 @@ class Outbox:
         self._settled_bytes = 0
         self._recovered = 0
         self._quarantined = (0, 0)
+        # Segments found cut short at open (number -> whether a record is torn at the cut),
+        # and the keys of the records each segment from the first of them on still holds.
+        self._cut: dict[int, bool] = {}
+        self._file_keys: dict[int, set[tuple[str, int]]] = {}
+        # Acknowledged records found destroyed, this start and any not cleared since.
+        self.destroyed_turns = 0
         self._lock_fd: int | None = None
         # Set by a process that commits the store: each turn record takes its messages' ids
         # as it is appended, in accept order (``message_ids``).
@@ -176,6 +194,7 @@ class Outbox:
                          if p.stem.isdigit())
         regions = damaged = found = 0
         legacy: list[bytes] = []
+        mapped: dict[int, Segment] = {}
         for number in numbers:
             seg = map_segment(self.directory, number, create=False)
             if fmt.is_legacy(seg.mm, seg.size):
@@ -187,12 +206,25 @@ class Outbox:
                 regions += 1
                 damaged += end - start
                 quarantine(self.directory, seg, start, end)
+            mapped[number] = seg
+            cut = _cut_short(seg)
+            if cut is not None:
+                self._cut[number] = cut
             seg.sealed = True
             if seg.appended == 0:
                 self._doomed.append(seg)
                 continue
             self._segments[number] = seg
             found += seg.appended
+        if numbers and mapped.get(numbers[-1]) is not None and mapped[numbers[-1]].size == 0:
+            # The newest segment, empty: a kill between its creation and its reservation
+            # leaves that, with nothing in it yet.
+            self._cut.pop(numbers[-1], None)
+        if self._cut:
+            # From the segment before the first cut one: an emptied segment's records are
+            # told by the last record before it and the first after it.
+            first = max([n for n in mapped if n < min(self._cut)], default=min(self._cut))
+            self._file_keys = {n: _keys_in(seg) for n, seg in mapped.items() if n >= first}
         self._reserved = max([first_number - 1, *numbers])
         self._open, self._writable = True, writable
         if writable or legacy:
@@ -216,6 +248,39 @@ class Outbox:
         self._quarantined = (regions, damaged)
         self.reap()
         return Recovery(found + len(legacy), regions, damaged)
+
+    def cut_short(self) -> list[int]:
+        """The segments found cut short at open (truncated mid-record, or emptied)."""
+        return sorted(self._cut)
+
+    def count_destroyed(self, stored: dict[int, list[str]]) -> Destroyed:
+        """How many acknowledged records the segments found cut short lost. ``stored``: the
+        keys the store settled, by the segment they came from (from the first cut one on).
+
+        A record's key carries its pipeline's accept counter: the counters missing between
+        the last record known from a cut segment (still in it, or settled from it) and the
+        next one known after it, of the same pipeline, are the records destroyed. A cut with
+        nothing known after it counts its torn record, if there is one: a lower bound.
+        """
+        if not self._cut:
+            return Destroyed(0, ())
+        known = {n: set(keys) for n, keys in self._file_keys.items()}
+        for n, keys in stored.items():
+            known.setdefault(n, set()).update(k for k in map(_split_key, keys) if k)
+        every = set().union(*known.values())
+        total = 0
+        for number, torn in sorted(self._cut.items()):
+            before = set().union(*(v for n, v in known.items() if n <= number))
+            after = set().union(*(v for n, v in known.items() if n > number))
+            lost = 0
+            for prefix in {p for p, _ in before}:
+                last = max(c for p, c in before if p == prefix)
+                nxt = [c for p, c in after if p == prefix and c > last]
+                if nxt:
+                    lost += sum(1 for c in range(last + 1, min(nxt))
+                                if (prefix, c) not in every)
+            total += lost or int(torn)
+        return Destroyed(total, tuple(sorted(self._cut)))
 
     def close(self) -> None:
         """Unmap everything and delete settled segments; records not settled stay on disk
@@ -478,6 +543,7 @@ class Outbox:
                 segments=len(self._segments),
                 quarantined_regions=self._quarantined[0],
                 quarantined_bytes=self._quarantined[1],
+                destroyed_turns=self.destroyed_turns,
             )
 
     def oldest_segment(self) -> int:
@@ -620,3 +686,36 @@ def _slot_id(tail: bytes) -> int | None:
 
 class OutboxBusyError(StoreError):
     """Another live process holds this outbox directory."""
+
+
+def _cut_short(seg: Segment) -> bool | None:
+    """Whether the segment was cut short after it was written (None: it was not), and then
+    whether a record is torn at the cut. Segments are made whole pages long, their blocks
+    reserved, and a record is only written where it fits: a file of another length, or a
+    commit mark whose record runs past the end of the file, was cut by something else."""
+    off, end = seg.offset, seg.size
+    torn = False
+    if off + HEADER_BYTES <= end:
+        magic, size, _, _ = HEAD.unpack_from(seg.mm, off)
+        torn = magic == fmt.MAGIC_U32 and size > end - off - HEADER_BYTES
+    elif off < end:
+        torn = any(seg.mm[off:end])
+    if torn or end == 0 or end % _PAGE:
+        return torn
+    return None
+
+
+def _split_key(key: str) -> tuple[str, int] | None:
+    found = _OUR_KEY.fullmatch(key)
+    return None if found is None else (found[1], int(found[2], 16))
+
+
+def _keys_in(seg: Segment) -> set[tuple[str, int]]:
+    """The (prefix, counter) of every intact record of the segment that has a key of ours."""
+    out = set()
+    for payload in fmt.intact_payloads(seg.mm, seg.offset):
+        found = _KEY.search(payload[:600])
+        split = None if found is None else _split_key(found[1].decode("ascii").strip('"'))
+        if split is not None:
+            out.add(split)
+    return out

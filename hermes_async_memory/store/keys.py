@@ -30,6 +30,16 @@ class DoneKeys(Connections):
                     found.update(r[0] for r in await cur.fetchall())
         return found
 
+    async def keys_by_segment(self, first: int) -> dict[int, list[str]]:
+        """The keys the store settled from outbox segment ``first`` on, by segment (what
+        tells how many records a damaged segment lost)."""
+        out: dict[int, list[str]] = {}
+        async with self.writer.execute("SELECT segment, key FROM outbox WHERE segment >= ?",
+                                       (first,)) as cur:
+            for segment, key in await cur.fetchall():
+                out.setdefault(int(segment), []).append(str(key))
+        return out
+
     async def next_segment(self) -> int:
         """One past the highest outbox segment any stored key came from."""
         async with self.writer.execute("SELECT coalesce(max(segment), 0) + 1 FROM outbox") as cur:
