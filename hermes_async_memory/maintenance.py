@@ -48,6 +48,11 @@ RESULTS_KEPT_S = 600.0  # a producer polls results within milliseconds; these ar
 TRIM_EVERY_BYTES = 16 * 1024 * 1024
 # A WAL smaller than this is not checkpointed early, however full the disk.
 WAL_CHECKPOINT_MIN_BYTES = 64 * 1024
+# SQLite checkpoints after a commit leaves the WAL this many pages long: its default, less on
+# a nearly full disk (a quarter of the free space), never less than the minimum.
+AUTOCHECKPOINT_PAGES = 1000
+AUTOCHECKPOINT_MIN_PAGES = 16
+WAL_PAGE_BYTES = 4096 + 24  # a page and its frame header
 
 
 def _load_malloc_trim() -> Callable[[int], int] | None:
@@ -71,15 +76,19 @@ def _rss_bytes() -> int:
         return 0
 
 
-def _wal_crowds_disk(db: Path) -> bool:
-    """Whether the store's WAL holds as much as half the disk's free space (a checkpoint
-    needs at most the WAL's size to grow the file, and gives back the WAL's)."""
+def _wal_and_free(db: Path) -> tuple[int, int]:
+    """The size of the store's WAL file, and the free space of its disk (room to spare when
+    unknown)."""
     try:
-        wal_bytes = os.stat(db.with_name(db.name + "-wal")).st_size
         st = os.statvfs(db.parent)
+        free = st.f_bavail * st.f_frsize
     except OSError:
-        return False
-    return wal_bytes >= WAL_CHECKPOINT_MIN_BYTES and wal_bytes * 2 >= st.f_bavail * st.f_frsize
+        free = 1 << 62
+    try:
+        wal = os.stat(db.with_name(db.name + "-wal")).st_size
+    except OSError:
+        wal = 0
+    return wal, free
 
 
 class Maintenance:
@@ -108,6 +117,7 @@ class Maintenance:
         self.replica_counts = (0, 0)  # (pending, dead)
         self.replica_oldest: float | None = None  # the oldest waiting record's accept time
         self._checkpoint_due = False
+        self._autocheckpoint = AUTOCHECKPOINT_PAGES  # SQLite's default, until changed
         self._prune_next = 0.0
         self._trimmed_at = 0  # the outbox's settled bytes when the heap was last given back
         self.heap_trims = 0
@@ -200,20 +210,20 @@ class Maintenance:
 
     async def _store_upkeep(self) -> None:
         store, s = self._store, self._settings
+        wal_bytes, free_bytes = await self.fit_wal()
+        crowded = wal_bytes >= WAL_CHECKPOINT_MIN_BYTES and wal_bytes * 2 >= free_bytes
         reason = ("disk_full_cleared" if self._checkpoint_due
                   else "disk_full" if DISK_FULL_STORE in self._conditions
-                  else "wal_crowds_disk" if await anyio.to_thread.run_sync(
-                      _wal_crowds_disk, store.path)
+                  else "wal_crowds_disk" if crowded
                   else None)
         if reason is not None:
-            # The WAL only shrinks at a checkpoint, and SQLite's own comes at 4 MiB: on a
-            # disk with less room than that, commits would fail for want of the room the
-            # WAL's old pages hold (a store left unable to commit while the disk has room).
             started = self._clock()
             if await store.checkpoint():
                 self._checkpoint_due = False
-                log.info("store_checkpointed", reason=reason,
-                         duration_ms=round((self._clock() - started) * 1e3, 2))
+                # Once a second while the store is short of room: the writer's retries say so.
+                (log.debug if reason == "disk_full" else log.info)(
+                    "store_checkpointed", reason=reason,
+                    duration_ms=round((self._clock() - started) * 1e3, 2))
         oldest = self.outbox.oldest_segment()
         if oldest > self._last_pruned:
             await store.prune_outbox(oldest)
@@ -225,6 +235,28 @@ class Maintenance:
             if s.role == "worker":
                 await store.prune_recall_results(self._wall() - RESULTS_KEPT_S)
                 await store.prune_inbox_keys(self._wall() - INBOX_KEYS_KEPT_S)
+        if (DISK_FULL_STORE in self._conditions and not self.outbox.counts().pending_turns
+                and not self.inbox_counts[0]):
+            # Set by a write of this job's, or by the writer's last batch: the store took this
+            # round's writes and nothing waits, so no commit of the writer's will clear it.
+            self._conditions.clear(DISK_FULL_STORE)
+
+    async def fit_wal(self) -> tuple[int, int]:
+        """Keep the store's WAL to a quarter of the disk's free space; returns the WAL's
+        size and the free space, in bytes.
+
+        The WAL only shrinks at a checkpoint, and SQLite's own comes at 4 MiB: on a disk with
+        less room than that, commits would fail for want of the room the WAL's old pages
+        hold, and so would the checkpoint that gives it back (it grows the file first).
+        """
+        wal_bytes, free_bytes = await anyio.to_thread.run_sync(_wal_and_free,
+                                                               self._store.path)
+        pages = max(AUTOCHECKPOINT_MIN_PAGES,
+                    min(AUTOCHECKPOINT_PAGES, free_bytes // 4 // WAL_PAGE_BYTES))
+        if pages != self._autocheckpoint:
+            await self._store.set_autocheckpoint(pages)
+            self._autocheckpoint = pages
+        return wal_bytes, free_bytes
 
     async def refresh_vocab(self) -> None:
         """Re-read the frequent terms; the scan grows with the store, so its own duration

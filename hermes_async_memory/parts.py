@@ -237,6 +237,7 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
                               adopt=adopt, clock=p.clock, on_round=p.changed)
     if commits:
         await maintenance.refresh_vocab()
+        await maintenance.fit_wal()  # before the first commit: a small disk fills in a second
     supervisor = Supervisor(backoff=backoff, conditions=p.conditions, on_failure=on_failure,
                             clock=p.clock)
     writer = Writer(sources, sink, max_batch=s.max_batch, max_batch_bytes=s.max_batch_bytes,

@@ -263,6 +263,11 @@ class Connections:
             row = await cur.fetchone()
         return row is not None and row[0] == 0
 
+    async def set_autocheckpoint(self, pages: int) -> None:
+        """Checkpoint the WAL after each commit that leaves it ``pages`` long (SQLite's own
+        default is 1,000: 4 MiB, more than a nearly full disk may hold)."""
+        await self.writer.execute(f"PRAGMA wal_autocheckpoint = {int(pages)}")
+
     async def optimize_text_indexes(self) -> list[str]:
         """Merge each full-text index of the messages (the word, tool and trigram indexes
         this file has) into one segment: FTS5's ``optimize``, layout only (what a search
