@@ -7,6 +7,7 @@ full disk is a real ENOSPC from the kernel, not a mocked error.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sqlite3
 import subprocess
@@ -208,3 +209,150 @@ def test_a_store_that_cannot_be_used_is_one_line_from_the_worker(
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("python -m workers: error: cannot "), lines[0]
     assert str(db.parent) in lines[0] or str(db) in lines[0]
+
+
+# -- a nearly full disk (issue 27, section 4) ---------------------------------------------
+
+BALLAST_BYTES = 256 * 1024
+
+
+def assert_stored_once_in_order(db: Path, acked: list[Receipt]) -> None:
+    """Every acknowledged turn is stored, once, and each session's in accept order."""
+    stored = stored_turns(db)
+    keys = Counter(key for rows in stored.values() for key, role, _ in rows if role == "user")
+    assert {r.key for r in acked} == set(keys), "every acknowledged turn is stored"
+    assert all(n == 1 for n in keys.values()), "and stored once"
+    for session, rows in stored.items():
+        got = [key for key, role, _ in rows if role == "user"]
+        assert got == [r.key for r in acked if r.session_id == session], session
+
+
+def leave_pending(db: Path, settings: Settings, n: int) -> list[Receipt]:
+    """Accept ``n`` turns in a child process killed before its writer commits them: they
+    are left in the outbox, durable and pending, as after a crash on a full disk."""
+    code = (
+        "import asyncio, json, os, signal, sys\n"
+        "from hermes_async_memory import MemoryPipeline, Settings\n"
+        "from pathlib import Path\n"
+        "async def go():\n"
+        f"    mem = MemoryPipeline(Settings(db_path=Path({str(db)!r}),"
+        f" outbox_segment_bytes={settings.outbox_segment_bytes}))\n"
+        "    await mem.start()\n"
+        f"    for i in range({n}):\n"
+        f"        r = mem.sync_turn(f'left {{i}} {TEXT}', 'ok', session_id=f's{{i % 8}}',"
+        " user_id='u')\n"
+        "        print('receipt', json.dumps([r.key, r.session_id]), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "asyncio.run(go())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9, done.stderr
+    out = []
+    lines = [line for line in done.stdout.splitlines() if line.startswith("receipt ")]
+    for i, line in enumerate(lines):
+        key, session = json.loads(line.removeprefix("receipt "))
+        out.append(Receipt(key, session, i + 1, 0.0, False, None))
+    assert len(out) == n
+    return out
+
+
+async def accept_until_refused(mem: MemoryPipeline) -> list[Receipt]:
+    """Offer turns, letting the writer commit between chunks, until the disk is so full that
+    sync_turn refuses one with DiskFullError; returns the acknowledged ones."""
+    acked: list[Receipt] = []
+    with anyio.fail_after(60):
+        while True:
+            got, refused = accept(mem, 20, f"fill{len(acked)}")
+            acked += got
+            if refused:
+                return acked
+            # The writer catches up, or the store is the one short of room.
+            await mem.wait_until(lambda: mem.stats().pending_turns == 0
+                                 or "disk_full_store" in mem.health().conditions)
+
+
+@pytest.mark.parametrize("segment_bytes", [None, 64 * 1024], ids=["default", "64KiB"])
+async def test_a_disk_smaller_than_one_segment_fills_then_drains_once_room_returns(
+    tmp_path: Path, segment_bytes: int | None
+) -> None:
+    """Issue 27's setup: a 2 MiB disk (smaller than the default 16 MiB segment) filled by
+    the pipeline itself until accepts fail, then 256 KiB freed. Invariant: every acknowledged
+    turn is stored once, in session order, within a deadline, in the same process."""
+    disk = SmallDisk(tmp_path / "fs", 2)
+    try:
+        disk.ballast.write_bytes(b"\1" * BALLAST_BYTES)
+        db = disk.path / "m.db"
+        extra = {} if segment_bytes is None else {"outbox_segment_bytes": segment_bytes}
+        settings = Settings(db_path=db, max_wait_ms=1, **extra)
+        async with MemoryPipeline(settings) as mem:
+            acked = await accept_until_refused(mem)
+            assert len(acked) > 100, "a disk smaller than a segment still accepts turns"
+            assert not mem.health().ok and "disk_full" in mem.health().conditions
+            disk.free()
+            with anyio.fail_after(30):
+                await mem.flush()
+            # The disk grown: it goes on accepting, no restart needed.
+            disk.remount("size=8m")
+            with anyio.fail_after(30):
+                await mem.wait_until(lambda: mem.health().ok)
+            after, refused = accept(mem, 20, "after")
+            assert refused == 0
+            with anyio.fail_after(30):
+                await mem.flush()
+            assert mem.stats().dead_letters == 0
+        assert_stored_once_in_order(db, acked + after)
+    finally:
+        disk.unmount()
+
+
+async def test_a_restart_with_less_free_space_than_one_segment_starts_and_drains(
+    disk: SmallDisk,
+) -> None:
+    """A 24 MiB disk holding a 16 MiB segment of pending turns (a crash): less room than a
+    new segment. Start commits them and accepts new turns, in the same process."""
+    db = disk.path / "m.db"
+    settings = Settings(db_path=db, max_wait_ms=1)
+    left = leave_pending(db, settings, 300)
+    free = os.statvfs(disk.path)
+    assert free.f_bavail * free.f_frsize < settings.outbox_segment_bytes
+    async with MemoryPipeline(settings) as mem:
+        assert mem.stats().recovered_turns == 300
+        with anyio.fail_after(30):
+            await mem.flush()
+        after, refused = accept(mem, 200, "after")
+        assert refused == 0
+        with anyio.fail_after(30):
+            await mem.flush()
+            await mem.wait_until(lambda: mem.health().ok)
+    assert_stored_once_in_order(db, left + after)
+
+
+async def test_a_restart_on_a_full_disk_starts_refuses_typed_and_drains_once_room_returns(
+    disk: SmallDisk,
+) -> None:
+    """Pending turns left by a crash, then the disk filled to the last byte. Start succeeds
+    (no segment can be made): health says disk full and sync_turn refuses, typed. Once room
+    returns the same process commits every pending turn once, in order, and accepts again."""
+    db = disk.path / "m.db"
+    settings = Settings(db_path=db, outbox_segment_bytes=SEGMENT_BYTES, max_wait_ms=1)
+    left = leave_pending(db, settings, 300)
+    disk.fill()
+    mem = MemoryPipeline(settings)
+    await mem.start()
+    try:
+        assert "disk_full" in mem.health().conditions
+        assert mem.stats().recovered_turns == 300
+        with pytest.raises(DiskFullError):
+            mem.sync_turn("refused", "no room", session_id="s0", user_id="u")
+        disk.free()
+        with anyio.fail_after(30):
+            await mem.flush()
+            await mem.wait_until(lambda: mem.health().ok)
+        after, refused = accept(mem, 200, "after")
+        assert refused == 0
+        with anyio.fail_after(30):
+            await mem.flush()
+    finally:
+        await mem.aclose()
+    assert_stored_once_in_order(db, left + after)
