@@ -161,6 +161,7 @@ class MemoryPipeline:
         self._loop_thread = threading.get_ident()
         started = time.perf_counter()
         parts = await build_parts(self, self._key_prefix, self._backoff, self._on_failure)
+        self.store.on_corrupt = lambda exc: self._on_failure(PipelineFailedError("store", exc))
         self._parts = parts
         self._runner = asyncio.create_task(parts.supervisor.run(), name="hermes-memory")
         waker = LoopWaker(self._loop)

@@ -11,9 +11,10 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
+import anyio
 import pytest
 
-from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory import CorruptStoreError, MemoryPipeline, PipelineFailedError, Settings
 
 from .processes import Spawn
 
@@ -109,6 +110,48 @@ async def test_a_start_that_fails_on_damaged_pages_raises_typed_and_the_process_
     assert lines[1] == "state new"  # nothing opened: a later start() may try again
     # Only anyio's idle worker thread may remain, and it ends with the interpreter.
     assert "_connection_worker_thread" not in lines[2], lines[2]
+
+
+def garbage_message_leaves(db: Path) -> int:
+    """Random bytes over the middle half of the messages table's leaf pages: pages a start
+    does not read. Returns how many pages."""
+    conn = sqlite3.connect(db)
+    try:
+        page_bytes = conn.execute("PRAGMA page_size").fetchone()[0]
+        leaves = [r[0] for r in conn.execute(
+            "SELECT pageno FROM dbstat WHERE name = 'messages' AND pagetype = 'leaf' "
+            "ORDER BY pageno")]
+    finally:
+        conn.close()
+    chosen = leaves[len(leaves) // 4 : len(leaves) * 3 // 4]
+    with db.open("r+b") as f:
+        for page in chosen:
+            f.seek((page - 1) * page_bytes)
+            f.write(os.urandom(page_bytes))
+    return len(chosen)
+
+
+async def test_damage_a_start_does_not_read_fails_the_pipeline_at_the_first_read(
+    tmp_path: Path
+) -> None:
+    """A start reads what it needs, not every page (a full check costs ~16 s a GB cold; see
+    docs/how-it-works.md). Damaged pages it did not read are found by the first read that
+    reaches them: the read raises CorruptStoreError, typed, and the pipeline goes to its
+    failed state with the cause, instead of answering reads with raw sqlite3 errors while
+    health says all is well."""
+    db = tmp_path / "m.db"
+    await store_with_turns(db, turns=1500)
+    assert garbage_message_leaves(db) >= 10
+    async with MemoryPipeline(Settings(db_path=db, shutdown_deadline_s=1.0)) as mem:
+        assert mem.health().ok
+        with pytest.raises(CorruptStoreError, match="malformed"):
+            for session in range(5):
+                await mem.get_messages(f"s{session}")
+        assert mem.state == "failed"
+        health = mem.health()
+        assert not health.ok and "malformed" in (health.reason or "")
+        with anyio.fail_after(5), pytest.raises(PipelineFailedError):
+            await mem.flush()
 
 
 @pytest.mark.parametrize("opener", ["store", "session_reads", "store_reader"])

@@ -137,6 +137,8 @@ class Connections:
         # The message ids of this store's commits (and, through the outbox, of its accepts):
         # set above the highest stored at open.
         self.ids = MessageIds()
+        # Told when a read finds the file damaged (the pipeline goes to its failed state).
+        self.on_corrupt: Callable[[CorruptStoreError], None] | None = None
 
     # -- life cycle --------------------------------------------------------------------
 
@@ -359,6 +361,15 @@ class Connections:
         conn = await self._readers.get()
         try:
             yield conn
+        except sqlite3.DatabaseError as exc:
+            # Pages a start did not read can be damaged: the first read of one says so,
+            # typed, and fails the pipeline with the cause (``on_corrupt``).
+            if sqlite_code(exc) not in (SQLITE_CORRUPT, SQLITE_NOTADB):
+                raise
+            error = CorruptStoreError(self.path, str(exc))
+            if self.on_corrupt is not None:
+                self.on_corrupt(error)
+            raise error from exc
         finally:
             self._readers.put_nowait(conn)
 
