@@ -6,6 +6,7 @@ full disk is a real ENOSPC from the kernel, not a mocked error.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -143,14 +144,7 @@ async def test_a_full_disk_refuses_turns_typed_then_recovers_in_the_same_process
                 await mem.flush()
         assert mem.state == "open" and mem.health().ok
 
-    acked = before + during + after
-    stored = stored_turns(db)
-    keys = Counter(key for rows in stored.values() for key, role, _ in rows if role == "user")
-    assert {r.key for r in acked} == set(keys), "every acknowledged turn is stored"
-    assert all(n == 1 for n in keys.values()), "and stored once"
-    for session, rows in stored.items():
-        got = [key for key, role, _ in rows if role == "user"]
-        assert got == [r.key for r in acked if r.session_id == session]
+    assert_stored_once_in_order(db, before + during + after)
 
 
 async def test_a_full_disk_at_start_is_a_typed_error(disk: SmallDisk) -> None:
@@ -283,8 +277,9 @@ async def test_a_disk_smaller_than_one_segment_fills_then_drains_once_room_retur
     try:
         disk.ballast.write_bytes(b"\1" * BALLAST_BYTES)
         db = disk.path / "m.db"
-        extra = {} if segment_bytes is None else {"outbox_segment_bytes": segment_bytes}
-        settings = Settings(db_path=db, max_wait_ms=1, **extra)
+        settings = Settings(db_path=db, max_wait_ms=1)
+        if segment_bytes is not None:
+            settings = dataclasses.replace(settings, outbox_segment_bytes=segment_bytes)
         async with MemoryPipeline(settings) as mem:
             acked = await accept_until_refused(mem)
             assert len(acked) > 100, "a disk smaller than a segment still accepts turns"
