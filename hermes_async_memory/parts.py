@@ -11,6 +11,7 @@ That table is the only place the role matters.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from .errors import PipelineClosedError, PipelineFailedError, describe
+from .errors import PipelineClosedError, PipelineFailedError, StoreError, describe
 from .maintenance import Maintenance
 from .outbox import Outbox, Recovery
 from .outbox.destroyed import report_destroyed
@@ -236,8 +237,17 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     maintenance = Maintenance(s, store, outbox, conditions=p.conditions, commits=commits,
                               adopt=adopt, clock=p.clock, on_round=p.changed)
     if commits:
-        await maintenance.refresh_vocab()
-        await maintenance.fit_wal()  # before the first commit: a small disk fills in a second
+        try:
+            await maintenance.refresh_vocab()
+            await maintenance.fit_wal()  # before the first commit: a small disk fills in a second
+        except BaseException as exc:
+            # Nothing may outlive a failed start: the store's threads would keep the process
+            # alive. A damaged page read here is CorruptStoreError already (the store's reader).
+            outbox.close()
+            await store.aclose()
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"cannot start on the store {s.db_path}: {exc}") from exc
+            raise
     supervisor = Supervisor(backoff=backoff, conditions=p.conditions, on_failure=on_failure,
                             clock=p.clock)
     writer = Writer(sources, sink, max_batch=s.max_batch, max_batch_bytes=s.max_batch_bytes,

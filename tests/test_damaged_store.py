@@ -74,15 +74,39 @@ def a_directory(db: Path) -> None:
     db.mkdir()
 
 
+def garbage_table(db: Path, table: str) -> int:
+    """Random bytes over every page of ``table`` (per SQLite's dbstat); how many pages."""
+    conn = sqlite3.connect(db)
+    try:
+        page_bytes = conn.execute("PRAGMA page_size").fetchone()[0]
+        pages = [r[0] for r in conn.execute("SELECT pageno FROM dbstat WHERE name = ?",
+                                            (table,))]
+    finally:
+        conn.close()
+    with db.open("r+b") as f:
+        for page in pages:
+            f.seek((page - 1) * page_bytes)
+            f.write(os.urandom(page_bytes))
+    return len(pages)
+
+
+def garbage_word_index(db: Path) -> None:
+    """Only the word index's pages: the schema, the migrations and the highest ids read
+    fine; the start fails later, at its read of the frequent terms."""
+    assert garbage_table(db, "messages_fts_data") > 5
+
+
+@pytest.mark.parametrize("damage", ["every page after the first", "the word index"])
 async def test_a_start_that_fails_on_damaged_pages_raises_typed_and_the_process_exits(
-    spawn: Spawn, tmp_path: Path
+    spawn: Spawn, tmp_path: Path, damage: str
 ) -> None:
     """Before: start() raised a raw sqlite3.DatabaseError and the process never exited (the
     store's connection threads outlived it). Now CorruptStoreError, and once main returns
-    no thread of the library is left: the interpreter exits by itself."""
+    no thread of the library is left: the interpreter exits by itself. The word index case
+    fails late in the start (the frequent-terms read), after every connection was open."""
     db = tmp_path / "m.db"
     await store_with_turns(db)
-    garbage_pages(db)
+    (garbage_pages if damage == "every page after the first" else garbage_word_index)(db)
     script = textwrap.dedent(f"""
         import asyncio, threading
         from hermes_async_memory import MemoryPipeline, Settings
