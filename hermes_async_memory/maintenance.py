@@ -165,6 +165,10 @@ class Maintenance:
 
     async def _outbox(self) -> None:
         outbox = self.outbox
+        # Settled segments go first: on a full disk their room is what the store and the
+        # next segment need, and a spare that cannot be made must not keep it.
+        await anyio.to_thread.run_sync(outbox.reap)
+        await anyio.to_thread.run_sync(outbox.release_settled)
         # While the store is short of room it comes first: a new segment would take the
         # room its commit needs, and only a commit lets segments go. The spare's room is
         # given to it; appends go on into the tail, then are refused, typed.
@@ -176,8 +180,6 @@ class Maintenance:
             await anyio.to_thread.run_sync(outbox.prepare_spare)
         if DISK_FULL in self._conditions and not outbox.needs_spare():
             self._conditions.clear(DISK_FULL)
-        await anyio.to_thread.run_sync(outbox.reap)
-        await anyio.to_thread.run_sync(outbox.release_settled)
         plan = outbox.prefault_plan()
         if plan:
             await anyio.to_thread.run_sync(Outbox.prefault, plan)
