@@ -31,14 +31,16 @@ def register(commands: Any) -> None:
 
 def _clear(args: argparse.Namespace) -> int:
     from ..outbox.destroyed import clear_destroyed
+    from .status import outbox_dirs
 
     settings = settings_of(args)
-    doc = clear_destroyed(settings.outbox_dir)
-    turns = 0 if doc is None else int(doc.get("turns", 0))
+    # The pipeline's folder and any producer slots' beside it.
+    docs = [doc for d in outbox_dirs(settings) if (doc := clear_destroyed(d)) is not None]
+    turns = sum(int(doc.get("turns", 0)) for doc in docs)
     if args.json:
-        print_json({"outbox": str(settings.outbox_dir), "cleared": doc is not None,
+        print_json({"outbox": str(settings.outbox_dir), "cleared": bool(docs),
                     "destroyed_turns": turns})
-    elif doc is None:
+    elif not docs:
         print("no destroyed turns recorded; nothing to clear")
     else:
         print(f"cleared: {turns} destroyed turns were recorded in {settings.outbox_dir}")

@@ -39,7 +39,7 @@ def register(commands: Any) -> None:
     status.set_defaults(handler=guarded(_status))
 
 
-def _outbox_dirs(settings: Settings) -> list[Path]:
+def outbox_dirs(settings: Settings) -> list[Path]:
     """The outbox folders beside the store: the pipeline's, and any producer slots'."""
     main = settings.outbox_dir
     found = [main] if main.is_dir() else []
@@ -59,7 +59,7 @@ def _scan_outbox(settings: Settings) -> tuple[list[Path], list[RecordSummary]]:
 
     segments: list[Path] = []
     records: list[RecordSummary] = []
-    for directory in _outbox_dirs(settings):
+    for directory in outbox_dirs(settings):
         found_segments, found_records = inspect(directory)
         segments += found_segments
         records += found_records
@@ -67,11 +67,11 @@ def _scan_outbox(settings: Settings) -> tuple[list[Path], list[RecordSummary]]:
 
 
 def _destroyed(settings: Settings) -> int:
-    """Acknowledged turns recorded destroyed in the outbox and not cleared since."""
+    """Acknowledged turns recorded destroyed in the outbox folders and not cleared since."""
     from ..outbox.destroyed import read_destroyed
 
-    doc = read_destroyed(settings.outbox_dir) if settings.outbox_dir.is_dir() else None
-    return 0 if doc is None else int(doc.get("turns", 0))
+    docs = [read_destroyed(d) for d in outbox_dirs(settings)]
+    return sum(int(doc.get("turns", 0)) for doc in docs if doc is not None)
 
 
 def _status(args: argparse.Namespace) -> int:
