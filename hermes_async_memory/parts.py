@@ -243,8 +243,13 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
         except BaseException as exc:
             # Nothing may outlive a failed start: the store's threads would keep the process
             # alive. A damaged page read here is CorruptStoreError already (the store's reader).
-            outbox.close()
-            await store.aclose()
+            with anyio.CancelScope(shield=True):
+                try:
+                    await p.backend.aclose()  # started above
+                except Exception as close_exc:  # the error that stopped the start is raised
+                    log.warning("backend_close_failed", error=describe(close_exc))
+                outbox.close()
+                await store.aclose()
             if isinstance(exc, sqlite3.Error):
                 raise StoreError(f"cannot start on the store {s.db_path}: {exc}") from exc
             raise
