@@ -12,6 +12,7 @@ import json
 import mmap
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -182,3 +183,30 @@ async def test_an_intact_outbox_after_sigkill_reports_nothing_destroyed(tmp_path
               if role == "user"}
     assert set(acked) <= stored
     assert status_destroyed(db) == 0
+
+
+async def test_a_segment_made_for_one_record_larger_than_a_segment_is_not_a_cut(
+    tmp_path: Path
+) -> None:
+    """A record larger than a segment gets a segment of its own size (not whole pages): it
+    must not read as one cut short. The store is held locked so the turn is still in the
+    outbox at the next start."""
+    db = tmp_path / "m.db"
+    settings = Settings(db_path=db, outbox_segment_bytes=SEGMENT_BYTES, shutdown_deadline_s=0.2)
+    async with MemoryPipeline(settings) as mem:
+        await mem.flush()
+        holder = sqlite3.connect(db, isolation_level=None)
+        holder.execute("BEGIN EXCLUSIVE")
+        try:
+            big = mem.sync_turn("x" * (SEGMENT_BYTES + 5000), "ok", session_id="s", user_id="u")
+        finally:
+            await mem.aclose()
+            holder.execute("ROLLBACK")
+            holder.close()
+    sizes = [p.stat().st_size for p in settings.outbox_dir.glob("*.seg")]
+    assert any(size % mmap.PAGESIZE for size in sizes), sizes  # the one-record segment
+    async with MemoryPipeline(settings) as mem:
+        await mem.flush()
+        assert mem.stats().destroyed_turns == 0
+        assert "outbox_records_destroyed" not in mem.health().conditions
+    assert big.key in {key for turns in stored_turns(db).values() for key, _, _ in turns}

@@ -691,8 +691,9 @@ class OutboxBusyError(StoreError):
 def _cut_short(seg: Segment) -> bool | None:
     """Whether the segment was cut short after it was written (None: it was not), and then
     whether a record is torn at the cut. Segments are made whole pages long, their blocks
-    reserved, and a record is only written where it fits: a file of another length, or a
-    commit mark whose record runs past the end of the file, was cut by something else."""
+    reserved, and a record is only written where it fits: a file of another length (but a
+    segment made to the size of the one record larger than a segment), or a commit mark
+    whose record runs past the end of the file, was cut by something else."""
     off, end = seg.offset, seg.size
     torn = False
     if off + HEADER_BYTES <= end:
@@ -700,7 +701,8 @@ def _cut_short(seg: Segment) -> bool | None:
         torn = magic == fmt.MAGIC_U32 and size > end - off - HEADER_BYTES
     elif off < end:
         torn = any(seg.mm[off:end])
-    if torn or end == 0 or end % _PAGE:
+    one_record = seg.appended == 1 and off == end
+    if torn or end == 0 or (end % _PAGE and not one_record):
         return torn
     return None
 
