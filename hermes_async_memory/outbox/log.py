@@ -22,6 +22,7 @@ import operator
 import os
 import re
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,9 @@ from .segments import (
 # The next segment is created ahead of need once the current one is this full, so that
 # sync_turn does not pay for a file creation.
 _SPARE_AT = 0.5
+# After a segment could not be made on the accept path, appends that need one are refused
+# without trying again for this long: no file system calls per refused turn.
+_FULL_RETRY_S = 0.1
 _PAGE = mmap.PAGESIZE
 _PREFAULT_BYTES = 4 * 1024 * 1024
 # Settled pages are dropped from memory once this many have gathered, this many per call
@@ -152,6 +156,7 @@ class Outbox:
         # Set while the store is short of room: no new segment takes the room its commit
         # needs (only a commit lets segments go); appends that need one are refused, typed.
         self.hold_growth = False
+        self._refuse_until = 0.0  # monotonic: see _FULL_RETRY_S
 
     # -- life cycle (blocking: call it in a worker thread) ------------------------------
 
@@ -360,9 +365,16 @@ class Outbox:
             if self.hold_growth:
                 raise DiskFullError("no space left for a new outbox segment: the store "
                                     "needs the room to commit what waits")
+            if time.monotonic() < self._refuse_until:
+                raise DiskFullError("no space left for a new outbox segment (the last try "
+                                    "failed moments ago)")
             # No spare ready (the maintainer fell behind, or the disk was full): create one
             # here, on the accept path.
-            spare = self._new_segment(need)
+            try:
+                spare = self._new_segment(need)
+            except DiskFullError:
+                self._refuse_until = time.monotonic() + _FULL_RETRY_S
+                raise
         if self._tail is not None:
             self._tail.sealed = True
         self._segments[spare.number] = spare
@@ -579,6 +591,7 @@ class Outbox:
             self._reserved = number
         seg = create_segment(self.directory, number, self._segment_bytes, 0)
         with self._lock:
+            self._refuse_until = 0.0
             if self._open and self._tail is None:  # the first since a full disk: the tail
                 self._segments[number] = seg
                 self._tail = seg
