@@ -221,20 +221,26 @@ def assert_stored_once_in_order(db: Path, acked: list[Receipt]) -> None:
         assert got == [r.key for r in acked if r.session_id == session], session
 
 
-def leave_pending(db: Path, settings: Settings, n: int) -> list[Receipt]:
-    """Accept ``n`` turns in a child process killed before its writer commits them: they
-    are left in the outbox, durable and pending, as after a crash on a full disk."""
+def leave_pending(db: Path, settings: Settings, n: int, *, until_full: bool = False
+                  ) -> list[Receipt]:
+    """Accept ``n`` turns (``until_full``: until the first DiskFullError) in a child process
+    killed before its writer commits them: they are left in the outbox, durable and pending,
+    as after a crash on a full disk."""
     code = (
         "import asyncio, json, os, signal, sys\n"
-        "from hermes_async_memory import MemoryPipeline, Settings\n"
+        "from hermes_async_memory import DiskFullError, MemoryPipeline, Settings\n"
         "from pathlib import Path\n"
         "async def go():\n"
         f"    mem = MemoryPipeline(Settings(db_path=Path({str(db)!r}),"
         f" outbox_segment_bytes={settings.outbox_segment_bytes}))\n"
         "    await mem.start()\n"
         f"    for i in range({n}):\n"
-        f"        r = mem.sync_turn(f'left {{i}} {TEXT}', 'ok', session_id=f's{{i % 8}}',"
+        "        try:\n"
+        f"            r = mem.sync_turn(f'left {{i}} {TEXT}', 'ok', session_id=f's{{i % 8}}',"
         " user_id='u')\n"
+        "        except DiskFullError:\n"
+        f"            if {until_full}: break\n"
+        "            raise\n"
         "        print('receipt', json.dumps([r.key, r.session_id]), flush=True)\n"
         "    os.kill(os.getpid(), signal.SIGKILL)\n"
         "asyncio.run(go())\n"
@@ -247,7 +253,7 @@ def leave_pending(db: Path, settings: Settings, n: int) -> list[Receipt]:
     for i, line in enumerate(lines):
         key, session = json.loads(line.removeprefix("receipt "))
         out.append(Receipt(key, session, i + 1, 0.0, False, None))
-    assert len(out) == n
+    assert len(out) < n if until_full else len(out) == n
     return out
 
 
@@ -351,3 +357,32 @@ async def test_a_restart_on_a_full_disk_starts_refuses_typed_and_drains_once_roo
     finally:
         await mem.aclose()
     assert_stored_once_in_order(db, left + after)
+
+
+async def test_an_outbox_on_its_own_full_disk_restarts_drains_and_accepts_by_itself(
+    tmp_path: Path,
+) -> None:
+    """The outbox's folder on a 1 MiB disk of its own, filled with pending turns by a process
+    killed before its writer ran; the store has room. Start succeeds although no segment can
+    be made, commits every pending turn (the store can take them), and the segments it
+    drained give the room back: accepts resume in the same process, nothing freed by hand."""
+    db = tmp_path / "m.db"
+    settings = Settings(db_path=db, outbox_segment_bytes=SEGMENT_BYTES, max_wait_ms=1)
+    disk = SmallDisk(settings.outbox_dir, 1)
+    try:
+        left = leave_pending(db, settings, 100_000, until_full=True)
+        assert len(left) > 1000
+        async with MemoryPipeline(settings) as mem:
+            assert mem.stats().recovered_turns == len(left)
+            assert "disk_full" in mem.health().conditions
+            with anyio.fail_after(30):
+                await mem.flush()
+                await mem.wait_until(lambda: mem.health().ok)
+            after, refused = accept(mem, 500, "after")
+            assert refused == 0
+            with anyio.fail_after(30):
+                await mem.flush()
+            assert mem.stats().dead_letters == 0
+        assert_stored_once_in_order(db, left + after)
+    finally:
+        disk.unmount()
