@@ -152,7 +152,9 @@ class MemoryPipeline:
 
         Raises:
             StoreError: the store or the outbox cannot be used (CorruptStoreError,
-                StoreAccessError, DiskFullError name the cause).
+                StoreAccessError, DiskFullError name the cause). A full disk only stops a
+                start that cannot open the store: the outbox opens without a new segment,
+                and what an earlier run left is committed.
             PipelineClosedError: the pipeline was already started.
         """
         if self._state != NEW:
