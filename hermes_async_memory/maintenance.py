@@ -24,6 +24,7 @@ import asyncio
 import ctypes
 import mmap
 import os
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -220,9 +221,17 @@ class Maintenance:
                   else None)
         if reason is not None:
             started = self._clock()
-            if await store.checkpoint():
+            try:
+                done = await store.checkpoint()
+            except sqlite3.Error as exc:
+                if reason != "disk_full" or not is_disk_full(exc):
+                    raise
+                # Expected while the store is short of room (a checkpoint grows the file
+                # first), tried again each second: the writer's retries say so already.
+                log.debug("store_checkpoint_deferred", error=describe(exc))
+                done = False
+            if done:
                 self._checkpoint_due = False
-                # Once a second while the store is short of room: the writer's retries say so.
                 (log.debug if reason == "disk_full" else log.info)(
                     "store_checkpointed", reason=reason,
                     duration_ms=round((self._clock() - started) * 1e3, 2))
