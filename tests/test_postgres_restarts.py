@@ -65,17 +65,19 @@ async def db(pg_dsn: str) -> AsyncIterator[Pool[Record]]:
 
 class Load:
     """The gateway's writers: rounds of one turn per session, each round committed locally
-    before the next (``flush``), until stopped; what was accepted, per session, in order."""
+    before the next (``flush``), until stopped or ``limit`` rounds; what was accepted, per
+    session, in order."""
 
     def __init__(self, mem: MemoryPipeline) -> None:
         self.mem = mem
         self.sent: dict[str, list[str]] = {f"s{i}": [] for i in range(SESSIONS)}
         self.rounds = 0
         self.stop = asyncio.Event()
+        self.limit: int | None = None
 
     async def run(self) -> None:
         for i in itertools.count():
-            if self.stop.is_set():
+            if self.stop.is_set() or (self.limit is not None and self.rounds >= self.limit):
                 return
             for s, texts in self.sent.items():
                 text = f"{s} turn {i} about harbour lanterns"
@@ -308,3 +310,103 @@ async def _pipeline_changes(mem: MemoryPipeline, changed: asyncio.Event) -> None
         mark = mem.change_mark()
         await mem.next_change(since=mark)
         changed.set()
+
+
+OUTAGE_S = 60.0
+OUTAGE_ROUNDS = 300
+
+
+@pytest.mark.slow
+async def test_a_sixty_second_outage_is_waited_out_and_shown_in_health(
+        tmp_path: Path, pg_server: PostgresServer, pg_dsn: str, db: Pool[Record],
+        spawn: Spawn) -> None:
+    """For a minute without the database: the gateway keeps accepting and committing
+    locally, health shows the outage in both processes (ok all along), nothing fails or
+    exits; once the server is back, everything resumes by itself and nothing is lost."""
+    worker = await start_worker(spawn, tmp_path, pg_dsn)
+    probes = Probes()
+    jobs = JobWorker(Settings(postgres_dsn=pg_dsn), {PROBE: probes.handler})
+    with capture_logs() as logs:
+        async with MemoryPipeline(gateway_settings(tmp_path, pg_dsn)) as mem, \
+                anyio.create_task_group() as tg:
+            load = Load(mem)
+            tg.start_soon(load.run)
+            tg.start_soon(jobs.run)
+            await probes.queue(db, 0)
+            await on_state(functools.partial(_any_started, probes, 0), probes.changed)
+            mark = len(worker.logs)
+            await pg(lambda: pg_server.stop(mode="fast"))
+            try:
+                # The outage itself lasts a minute (the load runs all along); the checks
+                # below wait on state.
+                # Writes go on meanwhile, committed locally (a bounded number: the backlog
+                # is replicated after, within the test's time).
+                load.limit = load.rounds + OUTAGE_ROUNDS
+                await mem.wait_until(lambda: "replica_unavailable" in mem.health().conditions,
+                                     timeout=WAIT_S)
+                await anyio.sleep(OUTAGE_S)
+                assert load.rounds == load.limit  # accepted and committed locally
+                health = mem.health()
+                assert health.ok and "replica_unavailable" in health.conditions, health
+                await worker.until(lambda: any(
+                    r.get("event") == "condition_raised"
+                    and r.get("condition") == "jobs_database_unavailable"
+                    for r in worker.logs[mark:]), WAIT_S)
+                seen = await anyio.to_thread.run_sync(worker_health, worker)
+                assert seen["status"] == "ok" and seen["state"] == "open", seen
+                assert "jobs_database_unavailable" in seen["conditions"], seen
+                assert worker.proc.returncode is None and mem.failure is None
+            finally:
+                await pg(pg_server.start)
+            await worker.until(lambda: listening_since(worker, mark), WAIT_S)
+            await worker.until(lambda: any(
+                r.get("event") == "condition_cleared"
+                and r.get("condition") == "jobs_database_unavailable"
+                for r in worker.logs[mark:]), WAIT_S)
+            load.stop.set()
+            await replicated(mem)
+            changed = asyncio.Event()
+            mem_changes = asyncio.ensure_future(_pipeline_changes(mem, changed))
+            await on_state(lambda: _all_done(db, probes), probes.changed, changed)
+            await on_state(lambda: _queue_empty(db), probes.changed, changed)
+            mem_changes.cancel()
+            assert mem.failure is None
+            assert "replica_unavailable" not in mem.health().conditions
+            stats = mem.stats()
+            tg.cancel_scope.cancel()
+    assert stats.replica_dead == 0
+    assert Counter(e["event"] for e in logs)["replica_write_failed"] == 0
+    await check_turns(db, load.sent)
+    await check_jobs(db, probes)
+    seen = await anyio.to_thread.run_sync(worker_health, worker)
+    assert "jobs_database_unavailable" not in seen["conditions"], seen
+    worker.signal(signal.SIGTERM)
+    assert await worker.finish() == 0
+    check_worker_logs(worker)
+
+
+GATEWAY_STARTS = 5
+
+
+async def test_a_restart_while_a_gateway_starts_does_not_fail_it(
+        tmp_path: Path, pg_server: PostgresServer, pg_dsn: str, db: Pool[Record]) -> None:
+    """The server restarts while a gateway opens (its pool, its schema check, its
+    listeners): the gateway starts all the same, accepts at once, and replicates every
+    turn once in order when the server is back; five starts, each racing a restart."""
+    sent: dict[str, list[str]] = {}
+    for start in range(GATEWAY_STARTS):
+        restart = asyncio.ensure_future(
+            anyio.to_thread.run_sync(pg_server.restart))
+        try:
+            async with MemoryPipeline(gateway_settings(tmp_path, pg_dsn)) as mem:
+                for i in range(20):
+                    text = f"start {start} turn {i} about harbour lanterns"
+                    mem.sync_turn(text, "noted", session_id=f"g{start % 2}", user_id="alice")
+                    sent.setdefault(f"g{start % 2}", []).append(text)
+                await restart
+                assert mem.failure is None and mem.health().ok, mem.health()
+                await replicated(mem)
+                assert mem.failure is None
+        finally:
+            await restart
+    await check_turns(db, sent)

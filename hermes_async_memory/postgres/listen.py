@@ -47,6 +47,7 @@ class Listener:
         self._backoff = backoff
         self._channels: dict[str, list[Callable[[str], None]]] = {}
         self._on_connect: list[Callable[[], None]] = []
+        self._on_lost: list[Callable[[], None]] = []
         self.connected = False
         self.connects = 0
         self.notifications = 0
@@ -61,6 +62,11 @@ class Listener:
     def on_connect(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` after each connect, once its channels are listened to."""
         self._on_connect.append(callback)
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` each time the connection is lost (the database may be
+        down: a part idle until a notification learns of it now, not at its next call)."""
+        self._on_lost.append(callback)
 
     async def run(self) -> None:
         """Listen until cancelled, connecting again after each loss.
@@ -86,6 +92,8 @@ class Listener:
             finally:
                 self.connected = False
                 conn.terminate()
+            for callback in self._on_lost:
+                _call(callback)
 
     async def _listen(self, conn: Connection[Record]) -> None:
         lost = asyncio.Event()

@@ -48,6 +48,7 @@ from ..errors import (
 )
 from ..retry import Backoff
 from ..settings import Settings
+from ..supervisor import Conditions
 from .dsn import redact_dsn, settings_dsn
 from .jobs import (
     JOBS_CHANNEL,
@@ -90,6 +91,8 @@ RECHECK_CAP_S = 1.0
 # A stopping runner gives its unfinished jobs back within this long.
 GIVE_BACK_S = 2.0
 MAX_ATTEMPTS = 5
+# The health condition while the job runner cannot reach the database.
+JOBS_UNAVAILABLE = "jobs_database_unavailable"
 # The counters ``stats()`` reports.
 COUNTERS = ("claims", "claimed", "completed", "failed", "leases_lost", "dead", "given_back",
             "cut_short")
@@ -131,7 +134,8 @@ class JobRunner:
                  lease_s: float, concurrency: int, max_attempts: int = MAX_ATTEMPTS,
                  backoff: Backoff | None = None, listener: Listener | None = None,
                  dsn: str | None = None, max_idle_s: float = MAX_IDLE_S,
-                 counts: Counter[str] | None = None) -> None:
+                 counts: Counter[str] | None = None,
+                 conditions: Conditions | None = None) -> None:
         """Raises ConfigurationError: no handler, or a bound that is not positive."""
         if not handlers:
             raise ConfigurationError("a job runner needs at least one handler")
@@ -150,6 +154,8 @@ class JobRunner:
         self._dsn = dsn or ""
         self._max_idle_s = max_idle_s
         self.counts: Counter[str] = Counter() if counts is None else counts
+        # Health shows JOBS_UNAVAILABLE while the database cannot be reached.
+        self._conditions = conditions or Conditions()
         self._running: set[_Run] = set()
         self._abandoned: list[Job] = []
         # Jobs whose run an outage cut short: handed back (their claims not counted) as soon
@@ -165,6 +171,8 @@ class JobRunner:
         if listener is not None:
             listener.subscribe(JOBS_CHANNEL, self._notified)
             listener.on_connect(self.wake)
+            # A claim now finds out whether the database is down, and health says so.
+            listener.on_lost(self.wake)
 
     def wake(self) -> None:
         """Look for work now (a job was queued, or notifications may have been missed)."""
@@ -228,9 +236,11 @@ class JobRunner:
                             next_due(self._pool, self._kinds, owner=self.owner))
                     except DatabaseUnavailableError as exc:
                         failures += 1
+                        self._conditions.set(JOBS_UNAVAILABLE, describe(exc))
                         await self._wait_out(failures, exc)
                         continue
                     failures = 0
+                    self._conditions.clear(JOBS_UNAVAILABLE)
                     await self._idle(self._sleep_for(due))
         finally:
             await self._give_back()
@@ -444,6 +454,7 @@ class JobWorker:
     backoff: Backoff = field(default_factory=Backoff)
     counts: Counter[str] = field(default_factory=Counter)
     runner: JobRunner | None = None
+    conditions: Conditions = field(default_factory=Conditions)
 
     def stats(self) -> dict[str, int]:
         return {**{name: self.counts[name] for name in COUNTERS},
@@ -460,14 +471,15 @@ class JobWorker:
         # Each running job: its handler's connection and its renewals'; and the claims.
         size = max(s.postgres_pool_max_size, 2 * concurrency + 1)
         pool = await open_when_reachable(s.replace(postgres_pool_max_size=size),
-                                         self.backoff, part="jobs")
+                                         self.backoff, part="jobs",
+                                         conditions=self.conditions)
         try:
             listener = Listener(s, backoff=self.backoff)
             self.runner = JobRunner(
                 pool, self.handlers, owner=self.owner, lease_s=s.postgres_job_lease_s,
                 concurrency=concurrency, max_attempts=self.max_attempts,
                 backoff=self.backoff, listener=listener, dsn=settings_dsn(s),
-                counts=self.counts)
+                counts=self.counts, conditions=self.conditions)
             log.info("jobs_started", owner=self.owner, kinds=sorted(self.handlers),
                      concurrency=concurrency, lease_s=s.postgres_job_lease_s)
             async with anyio.create_task_group() as tg:
@@ -477,23 +489,25 @@ class JobWorker:
             await close_pool(pool)
 
 
-async def open_when_reachable(settings: Settings, backoff: Backoff, *, part: str
-                              ) -> Pool[Record]:
+async def open_when_reachable(settings: Settings, backoff: Backoff, *, part: str,
+                              conditions: Conditions | None = None) -> Pool[Record]:
     """A pool to the database with this library's schema, once there is one: while the
     server cannot be reached, or its schema is not upgraded yet, waits on ``backoff`` (and
-    says so once).
+    says so once; ``conditions`` shows ``JOBS_UNAVAILABLE`` meanwhile).
 
     Raises:
         DatabaseError: the server refused us for a reason waiting will not mend.
     """
     dsn = settings_dsn(settings)
     unclassified = UnclassifiedErrors()
+    conditions = conditions or Conditions()
     failures = 0
     while True:
         try:
             pool = await create_pool(settings)
         except DatabaseUnavailableError as exc:
             failures += 1
+            conditions.set(JOBS_UNAVAILABLE, describe(exc))
             if failures == 1:
                 log.warning("postgres_unavailable", part=part, dsn=redact_dsn(dsn),
                             error=describe(exc))
@@ -505,6 +519,7 @@ async def open_when_reachable(settings: Settings, backoff: Backoff, *, part: str
         except (DatabaseUnavailableError, SchemaVersionError) as exc:
             await close_pool(pool)
             failures += 1
+            conditions.set(JOBS_UNAVAILABLE, describe(exc))
             if failures == 1:
                 if isinstance(exc, SchemaVersionError):
                     log.error("postgres_schema_mismatch", part=part, error=describe(exc))
@@ -518,4 +533,5 @@ async def open_when_reachable(settings: Settings, backoff: Backoff, *, part: str
             raise
         if failures:
             log.info("postgres_reachable", part=part, dsn=redact_dsn(dsn))
+        conditions.clear(JOBS_UNAVAILABLE)
         return pool

@@ -385,7 +385,8 @@ class _Jobs:
     def __init__(self, settings: Settings, mem: MemoryPipeline) -> None:
         from ..postgres.worker import JobWorker, default_handlers  # the postgres extra
 
-        self.worker: JobWorker = JobWorker(settings, default_handlers(settings))
+        self.worker: JobWorker = JobWorker(settings, default_handlers(settings),
+                                           conditions=mem.conditions)
         self.failure: PipelineFailedError | None = None
         self.failed = asyncio.Event()
         supervisor = Supervisor(backoff=Backoff(base_s=settings.commit_retry_base_s),
