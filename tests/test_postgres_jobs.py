@@ -4,6 +4,7 @@ a lease expires, finished by the lease holder only, and announced by NOTIFY."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import anyio
@@ -11,10 +12,12 @@ import asyncpg
 import pytest
 from asyncpg import Pool, Record
 
-from hermes_async_memory import Settings
+from hermes_async_memory import Settings, cli
 from hermes_async_memory.errors import LeaseLostError
 from hermes_async_memory.postgres import open_pool, upgrade
 from hermes_async_memory.postgres.jobs import JOBS_CHANNEL, claim, complete, enqueue, release
+
+from .pg_server import PostgresServer
 
 LEASE_S = 60.0
 WAIT_S = 30.0
@@ -106,3 +109,57 @@ async def test_queuing_a_job_notifies_listeners(pool: Pool[Record], pg_dsn: str)
             assert await heard.get() == "procedural"
     finally:
         await listener.close()
+
+
+async def test_db_jobs_shows_the_queue_by_kind_and_status(
+        pool: Pool[Record], pg_dsn: str, pg_server: PostgresServer,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        clean_env: None) -> None:
+    """``hermes-memory db jobs``: per kind, the queued, running and dead jobs and the age of
+    the oldest of each; ``--json`` the same as data; no password in either."""
+    for n in range(3):
+        await enqueue(pool, "recall", key=f"r{n}")
+    await enqueue(pool, "procedural", key="p0")
+    await enqueue(pool, "procedural", key="p1")
+    [running] = await claim(pool, "w1", ["procedural"], lease_s=30.0)
+    [failing] = await claim(pool, "w2", ["procedural"], lease_s=30.0)
+    assert not await release(pool, failing, "boom", retry_in_s=0.0, max_attempts=1)
+    await pool.execute("UPDATE jobs SET created_at = now() - interval '90 seconds' "
+                       "WHERE key = 'r0'")
+    monkeypatch.setenv("DATABASE_URL", pg_dsn)
+
+    # Run in a thread: the command runs its own event loop.
+    code = await anyio.to_thread.run_sync(cli.main, ["db", "jobs", "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    report = json.loads(out.out)
+    assert report["total"] == {"queued": 3, "running": 1, "dead": 1}
+    recall, procedural = report["kinds"]["recall"], report["kinds"]["procedural"]
+    assert (recall["queued"], recall["running"], recall["dead"]) == (3, 0, 0)
+    assert 90 <= recall["oldest_queued_age_s"] < 90 + 30
+    assert recall["oldest_running_age_s"] is None
+    assert (procedural["queued"], procedural["running"], procedural["dead"]) == (0, 1, 1)
+
+    code = await anyio.to_thread.run_sync(cli.main, ["db", "jobs"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    header, *lines = out.out.splitlines()
+    assert header.split()[:4] == ["kind", "queued", "running", "dead"]
+    assert [line.split()[:4] for line in lines] == [
+        ["procedural", "0", "1", "1"], ["recall", "3", "0", "0"]]
+    pg_server.assert_no_password(out.out + out.err)
+    assert running.kind == "procedural"
+
+
+async def test_a_claim_whose_answer_was_lost_is_taken_again_at_once(
+        pool: Pool[Record]) -> None:
+    """A worker whose claim committed but whose connection dropped before the answer came
+    holds a job it does not know of: its next claim takes it again at once (not after the
+    lease), without counting a claim; jobs it runs (``held``) are left to it."""
+    job_id = await enqueue(pool, "probe", key="lost-answer")
+    [first] = await claim(pool, "w1", ["probe"], lease_s=LEASE_S)  # the answer "lost"
+    assert await claim(pool, "w1", ["probe"], lease_s=LEASE_S, held=[first.id]) == []
+    assert await claim(pool, "w2", ["probe"], lease_s=LEASE_S) == []  # leased to w1
+    [again] = await claim(pool, "w1", ["probe"], lease_s=LEASE_S)
+    assert (again.id, again.attempts) == (job_id, first.attempts) == (job_id, 1)
+    assert await complete(pool, again)

@@ -1,8 +1,9 @@
-"""``hermes-memory db upgrade | status | local``: the shared PostgreSQL store's schema, and a
-server on this machine to try it with.
+"""``hermes-memory db upgrade | status | jobs | local``: the shared PostgreSQL store's schema,
+its job queue, and a server on this machine to try it with.
 
     hermes-memory db upgrade [--dsn DSN]
     hermes-memory db status [--dsn DSN] [--json]
+    hermes-memory db jobs [--dsn DSN] [--json]
     hermes-memory db local start|stop [--dir DIR] [--port PORT]
 
 The database is ``--dsn``, else ``HERMES_MEMORY_POSTGRES_DSN``, else ``DATABASE_URL``; it is
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from .common import EXIT_OK, guarded, json_option, print_json
+from .common import EXIT_OK, guarded, json_option, print_json, table
 
 if TYPE_CHECKING:
     from ..postgres.schema import SchemaStatus, Upgrade
@@ -51,6 +52,14 @@ def register(commands: Any) -> None:
                     "pending. Reads only.",
     )
     status.set_defaults(handler=guarded(_status))
+    jobs = db.add_parser(
+        "jobs", parents=[_dsn_option(), json_option()],
+        help="the shared job queue: queued, running and dead jobs by kind",
+        description="Show the shared jobs by kind: how many are queued, running (leased "
+                    "to a worker) and dead (given up after their last attempt), and how "
+                    "long ago the oldest of each was queued. Reads only.",
+    )
+    jobs.set_defaults(handler=guarded(_jobs))
     local = db.add_parser(
         "local", help="a PostgreSQL server on this machine, to try the shared store",
         description="start: make a cluster under --dir the first time (its password is "
@@ -158,6 +167,36 @@ def _status(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name.ljust(width)}  {value}")
+    return EXIT_OK
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    from ..postgres.jobs import JOB_STATUSES, QueueRow, queue_summary
+
+    rows: list[QueueRow] = _on_one_connection(_settings(args), queue_summary)
+    kinds: dict[str, dict[str, object]] = {}
+    for r in rows:
+        kind = kinds.setdefault(r.kind, {s: 0 for s in JOB_STATUSES} | {
+            f"oldest_{s}_age_s": None for s in JOB_STATUSES})
+        kind[r.status] = r.jobs
+        kind[f"oldest_{r.status}_age_s"] = round(r.oldest_age_s, 3)
+    if args.json:
+        print_json({"kinds": kinds,
+                    "total": {s: sum(r.jobs for r in rows if r.status == s)
+                              for s in JOB_STATUSES}})
+        return EXIT_OK
+    if not kinds:
+        print("no jobs")
+        return EXIT_OK
+
+    def age(value: object) -> str:
+        return "-" if value is None else f"{value:.1f} s"
+
+    table(["kind", "queued", "running", "dead", "oldest queued", "oldest running",
+           "oldest dead"],
+          [[k, *(str(v[s]) for s in JOB_STATUSES),
+            *(age(v[f"oldest_{s}_age_s"]) for s in JOB_STATUSES)]
+           for k, v in sorted(kinds.items())])
     return EXIT_OK
 
 

@@ -270,6 +270,36 @@ async def next_due(pool: Pool[Record], kinds: Sequence[str], *, owner: str | Non
     return seconds
 
 
+@dataclass(frozen=True, slots=True)
+class QueueRow:
+    """Jobs of one kind in one status, and how long ago the oldest of them was queued."""
+
+    kind: str
+    status: str  # "queued", "running" or "dead"
+    jobs: int
+    oldest_age_s: float  # on the database's clock
+
+
+JOB_STATUSES = ("queued", "running", "dead")
+_QUEUE = """
+SELECT kind, status, count(*) AS jobs,
+       greatest(extract(epoch FROM now() - min(created_at)), 0)::float8 AS oldest_age_s
+FROM jobs GROUP BY kind, status ORDER BY kind, status
+"""
+
+
+async def queue_summary(pool: Pool[Record]) -> list[QueueRow]:
+    """The job queue now: per kind and status (queued, running, dead), how many jobs and
+    the age of the oldest; kinds and statuses with no job are left out.
+
+    Raises:
+        asyncpg.PostgresError, OSError: the database failed.
+    """
+    rows = await pool.fetch(_QUEUE)
+    return [QueueRow(r["kind"], r["status"], int(r["jobs"]), float(r["oldest_age_s"]))
+            for r in rows]
+
+
 @dataclass(slots=True)
 class RunNote:
     """A job run's state its handler's calls leave for the runner."""
