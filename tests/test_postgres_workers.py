@@ -505,3 +505,35 @@ async def test_while_the_database_is_down_the_local_recall_answers(
             session_id="s1", user_id="alice")
         assert mem.prefetch_status("s1", user_id="alice").source == "local"
         assert job_recaller(mem).fallbacks == 1 and not job_recaller(mem).ready
+
+
+async def test_the_worker_s_metrics_show_the_job_queue_by_kind_and_status(
+        tmp_path: Path, pg_dsn: str, db: Pool[Record], spawn: Spawn) -> None:
+    """/metrics shows the whole job queue (every worker's jobs, of kinds this one does not
+    run too): per kind and status, how many and the oldest one's age."""
+    for n in range(3):
+        await enqueue(db, "elsewhere", key=f"e{n}")  # a kind no handler here runs
+    await db.execute("UPDATE jobs SET created_at = now() - interval '2 minutes'")
+    env = {"HERMES_MEMORY_BACKEND": "postgres", "HERMES_MEMORY_POSTGRES_DSN": pg_dsn}
+    worker = await spawn("-m", "workers", "--db", str(tmp_path / "w" / "memory.db"),
+                         "--http", "127.0.0.1:0", env=env)
+    listening = await worker.log_line("http_listening", WAIT_S)
+    url = f"http://127.0.0.1:{listening['port']}/metrics"
+
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return str(answer.read().decode())
+
+    # The queue is read as the runner starts, beside the server: scraped again, a scrape
+    # apart, until the first read is in (the process logs no event for it).
+    with anyio.fail_after(WAIT_S):
+        while True:
+            metrics = await anyio.to_thread.run_sync(scrape)
+            if 'hermes_memory_jobs_queue{kind="elsewhere",status="queued"} 3.0' in metrics:
+                break
+            await anyio.sleep(0.05)
+    [age] = [line for line in metrics.splitlines() if line.startswith(
+        'hermes_memory_jobs_queue_oldest_age_seconds{kind="elsewhere",status="queued"}')]
+    assert 120 <= float(age.split()[-1]) < 120 + WAIT_S
+    worker.signal(signal.SIGTERM)
+    assert await worker.finish() == 0

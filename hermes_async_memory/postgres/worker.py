@@ -53,12 +53,14 @@ from .dsn import redact_dsn, settings_dsn
 from .jobs import (
     JOBS_CHANNEL,
     Job,
+    QueueRow,
     RunNote,
     claim,
     complete,
     current_run,
     give_back,
     next_due,
+    queue_summary,
     release,
     renew,
 )
@@ -91,6 +93,8 @@ RECHECK_CAP_S = 1.0
 # A stopping runner gives its unfinished jobs back within this long.
 GIVE_BACK_S = 2.0
 MAX_ATTEMPTS = 5
+# How often a worker reads the whole job queue for its /metrics gauges (one cheap GROUP BY).
+QUEUE_READ_S = 10.0
 # The health condition while the job runner cannot reach the database.
 JOBS_UNAVAILABLE = "jobs_database_unavailable"
 # The counters ``stats()`` reports.
@@ -455,6 +459,22 @@ class JobWorker:
     counts: Counter[str] = field(default_factory=Counter)
     runner: JobRunner | None = None
     conditions: Conditions = field(default_factory=Conditions)
+    # The whole queue (every worker's jobs) as last read, every QUEUE_READ_S: for /metrics.
+    queue: tuple[QueueRow, ...] = ()
+
+    def queue_rows(self) -> list[tuple[str, str, int, float]]:
+        return [(r.kind, r.status, r.jobs, r.oldest_age_s) for r in self.queue]
+
+    async def _read_queue(self, pool: Pool[Record]) -> None:
+        dsn = settings_dsn(self.settings)
+        while True:
+            try:
+                async with database_errors(dsn):
+                    with anyio.fail_after(DB_TIMEOUT_S):
+                        self.queue = tuple(await queue_summary(pool))
+            except DatabaseUnavailableError:
+                pass  # the runner waits the outage out and health shows it; read next time
+            await anyio.sleep(QUEUE_READ_S)
 
     def stats(self) -> dict[str, int]:
         return {**{name: self.counts[name] for name in COUNTERS},
@@ -485,6 +505,7 @@ class JobWorker:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(listener.run, name="hermes-jobs-listen")
                 tg.start_soon(self.runner.run, name="hermes-jobs-run")
+                tg.start_soon(self._read_queue, pool, name="hermes-jobs-queue")
         finally:
             await close_pool(pool)
 

@@ -17,7 +17,7 @@ import concurrent.futures
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 from wsgiref.simple_server import WSGIServer
@@ -154,6 +154,8 @@ class _Snapshot:
     health: Health
     stats: PipelineStats
     jobs: Mapping[str, int] | None = None  # the shared-job runner's counters, if one runs
+    # The shared job queue as the runner last read it: (kind, status, jobs, oldest age).
+    queue: Sequence[tuple[str, str, int, float]] = ()
 
     def problem(self) -> str | None:
         """Why the pipeline is unhealthy, or None."""
@@ -168,9 +170,11 @@ class _Probe:
     """Reads a pipeline's state on its own event loop, from another thread."""
 
     def __init__(self, pipeline: MemoryPipeline, loop: asyncio.AbstractEventLoop,
-                 timeout_s: float, jobs: Callable[[], Mapping[str, int]] | None = None
+                 timeout_s: float, jobs: Callable[[], Mapping[str, int]] | None = None,
+                 queue: Callable[[], Sequence[tuple[str, str, int, float]]] | None = None
                  ) -> None:
         self._jobs = jobs
+        self._queue = queue
         self._pipeline = pipeline
         self._loop = loop
         self._timeout_s = timeout_s
@@ -200,7 +204,8 @@ class _Probe:
     def _read(self) -> _Snapshot:
         p = self._pipeline
         return _Snapshot(health=p.health(), stats=p.stats(),
-                         jobs=None if self._jobs is None else self._jobs())
+                         jobs=None if self._jobs is None else self._jobs(),
+                         queue=() if self._queue is None else self._queue())
 
 
 class PrometheusObserver(PipelineObserver):
@@ -285,6 +290,18 @@ class _PipelineCollector:
             running = GaugeMetricFamily(PREFIX + "jobs_running", "Shared jobs running now.")
             running.add_metric([], jobs.get("running", 0))
             yield running
+            queued = GaugeMetricFamily(
+                PREFIX + "jobs_queue", "Shared jobs in the queue (every worker's), by kind "
+                "and status (queued, running, dead), as last read.", labels=["kind", "status"])
+            oldest = GaugeMetricFamily(
+                PREFIX + "jobs_queue_oldest_age_seconds", "How long ago the oldest shared "
+                "job of each kind and status was queued, as last read.",
+                labels=["kind", "status"])
+            for kind, status, n, age_s in snap.queue if snap is not None else ():
+                queued.add_metric([kind, status], n)
+                oldest.add_metric([kind, status], age_s)
+            yield queued
+            yield oldest
 
 
 class _App:
@@ -376,10 +393,12 @@ def start_http_server(
     stats_timeout_s: float = STATS_TIMEOUT_S,
     inspector: Access | None = None,
     jobs: Callable[[], Mapping[str, int]] | None = None,
+    jobs_queue: Callable[[], Sequence[tuple[str, str, int, float]]] | None = None,
 ) -> HttpServer:
     """Serve /healthz and /metrics for ``pipeline`` (running on ``loop``) from a daemon thread,
     and with ``inspector`` (its access rules) the memory inspector at /ui. ``jobs``: the
-    shared-job runner's counters, read on the loop with the stats, for /metrics.
+    shared-job runner's counters, read on the loop with the stats, for /metrics;
+    ``jobs_queue``: the job queue as last read, (kind, status, jobs, oldest age) rows.
 
     ``port=0`` picks a free port; read it from ``HttpServer.port``. Pass the ``observer`` the
     pipeline was built with, so /metrics has its histograms; without one they stay empty.
@@ -389,7 +408,7 @@ def start_http_server(
         StoreError: the inspector cannot read the pipeline's store file.
     """
     observer = PrometheusObserver() if observer is None else observer
-    probe = _Probe(pipeline, loop, stats_timeout_s, jobs)
+    probe = _Probe(pipeline, loop, stats_timeout_s, jobs, jobs_queue)
     ui = None
     if inspector is not None:
         from ..ui.server import Inspector

@@ -306,7 +306,8 @@ async def _serve(
             server = await anyio.to_thread.run_sync(
                 functools.partial(start_http_server, mem, asyncio.get_running_loop(), *http,
                                   observer=observer, inspector=ui,
-                                  jobs=None if jobs is None else jobs.worker.stats))
+                                  jobs=None if jobs is None else jobs.worker.stats,
+                                  jobs_queue=None if jobs is None else jobs.worker.queue_rows))
             log.info("http_listening", host=server.host, port=server.port, url=server.url,
                      ui=None if ui is None else server.url + "/ui")
         log.info("worker_ready", db=str(settings.db_path), pid=os.getpid(),
