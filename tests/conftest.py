@@ -122,7 +122,7 @@ def pg_server() -> Iterator[PostgresServer]:
         failure = str(exc)  # failed below, outside this block: one line, no chained error
     try:
         if failure is not None or server is None:
-            pytest.fail(failure, pytrace=False)
+            pytest.fail(failure or "no PostgreSQL server", pytrace=False)
         yield server
     finally:
         if server is not None:

@@ -90,6 +90,7 @@ async def test_a_failed_job_runs_again_later_then_is_dead(pool: Pool[Record]) ->
     assert await release(pool, again, "boom again", retry_in_s=0, max_attempts=2) is False
     assert await claim(pool, "w", ["recall"], lease_s=LEASE_S) == []
     row = await pool.fetchrow("SELECT status, last_error FROM jobs WHERE id = $1", job.id)
+    assert row is not None
     assert (row["status"], row["last_error"]) == ("dead", "boom again")
 
 
