@@ -272,3 +272,38 @@ async def test_the_pipeline_page_names_a_failed_part_and_the_passing_troubles(
         assert "Committed turns</th><td>1</td>" in text
     finally:
         await server.aclose()
+
+
+async def test_the_pipeline_page_shows_the_shared_job_queue(tmp_path: Path) -> None:
+    """A worker on PostgreSQL: the page lists the shared jobs by kind and status with the
+    oldest one's age, as the worker last read them; none says so; a worker without the
+    shared store shows no such section."""
+    import anyio.to_thread
+
+    from hermes_async_memory import MemoryPipeline, Settings
+    from hermes_async_memory.ui.server import Inspector
+    from hermes_async_memory.worker.wsgi import WsgiServer, serve_wsgi
+
+    settings = Settings(db_path=tmp_path / "m.db")
+    async with MemoryPipeline(settings) as mem:
+        health, stats = mem.health(), mem.stats()
+    queue: list[tuple[str, str, int, float]] = [
+        ("procedural", "dead", 1, 3600.0), ("recall", "queued", 12, 4.25)]
+    pages: dict[str, str] = {}
+    for name, rows in (("jobs", lambda: queue), ("empty", list), ("none", None)):
+        inspector = Inspector(settings, Access(None, loopback=True),
+                              live=lambda: (health, stats), jobs_queue=rows)
+        server = WsgiServer(*serve_wsgi(inspector.app, "127.0.0.1", 0, name="test"),
+                            inspector.close)
+        try:
+            status, _, body = await anyio.to_thread.run_sync(get, server.url + "/ui")
+            assert status == 200
+            pages[name] = body.decode()
+        finally:
+            await server.aclose()
+    assert "<tr><td>recall</td><td>queued</td><td>12</td><td>4.2 s ago</td></tr>" in \
+        pages["jobs"]
+    assert "<tr><td>procedural</td><td>dead</td><td>1</td><td>3600.0 s ago</td></tr>" in \
+        pages["jobs"]
+    assert "None queued, running or dead." in pages["empty"]
+    assert 'id="jobs"' not in pages["none"]

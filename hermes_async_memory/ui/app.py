@@ -20,7 +20,7 @@ import json
 import mimetypes
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -63,6 +63,8 @@ NAV = (("", "Pipeline"), ("/users", "Users"), ("/sessions", "Sessions"),
        ("/procedural", "Tools"), ("/templates", "Templates"))
 
 Live = Callable[[], tuple[Health, PipelineStats]]
+# PostgreSQL's shared job queue: (kind, status, jobs, age of the oldest in seconds) rows.
+JobsQueue = Callable[[], Sequence[tuple[str, str, int, float]]]
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,10 @@ class InspectorApp:
     """The WSGI application for ``/ui`` and below. ``reads`` lives on ``portal``'s loop."""
 
     def __init__(self, reads: InspectorReads, portal: BlockingPortal, access: Access, *,
-                 live: Live | None = None, series: Series | None = None) -> None:
+                 live: Live | None = None, series: Series | None = None,
+                 jobs_queue: JobsQueue | None = None) -> None:
         self._reads = reads
+        self._jobs_queue = jobs_queue  # PostgreSQL's shared job queue, as the worker read it
         self._portal = portal
         self._access = access
         self._live = live
@@ -213,10 +217,11 @@ class InspectorApp:
         counts = self._read(self._reads.counts)
         reindex = self._read(self._reads.reindex)
         dead = self._read(self._reads.dead_letters)
+        jobs = None if self._jobs_queue is None else self._jobs_queue()
         return self._page("pipeline.html", title="Pipeline", live=self._live is not None,
                           health=health, stats=stats, live_error=live_error, counts=counts,
                           reindex=reindex, dead=dead, charts=self._series is not None,
-                          notice=q.get("notice"))
+                          notice=q.get("notice"), jobs_queue=jobs)
 
     def _series_json(self, q: dict[str, str]) -> _Answer:
         data = {} if self._series is None else self._series.as_json()

@@ -19,7 +19,7 @@ from anyio.from_thread import start_blocking_portal
 from ..settings import Settings
 from ..worker.wsgi import WsgiServer, serve_wsgi
 from .access import Access
-from .app import PREFIX, InspectorApp, Live
+from .app import PREFIX, InspectorApp, JobsQueue, Live
 from .reads import open_inspector_reads
 from .series import DEFAULT_INTERVAL_S, Sampler, Series
 
@@ -37,7 +37,8 @@ class Inspector:
     """
 
     def __init__(self, settings: Settings, access: Access, *, live: Live | None = None,
-                 sample_interval_s: float = DEFAULT_INTERVAL_S) -> None:
+                 sample_interval_s: float = DEFAULT_INTERVAL_S,
+                 jobs_queue: JobsQueue | None = None) -> None:
         self._stack = contextlib.ExitStack()
         try:
             portal = self._stack.enter_context(start_blocking_portal())
@@ -48,7 +49,8 @@ class Inspector:
                 series = Series(sample_interval_s)
                 sampler = Sampler(series, lambda: live()[1]).start()
                 self._stack.callback(sampler.close)
-            self.app = InspectorApp(reads, portal, access, live=live, series=series)
+            self.app = InspectorApp(reads, portal, access, live=live, series=series,
+                                    jobs_queue=jobs_queue)
         except BaseException:
             self._stack.close()
             raise

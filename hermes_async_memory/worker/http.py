@@ -417,7 +417,7 @@ def start_http_server(
             snap = probe.snapshot()
             return snap.health, snap.stats
 
-        ui = Inspector(pipeline.settings, inspector, live=live)
+        ui = Inspector(pipeline.settings, inspector, live=live, jobs_queue=jobs_queue)
     try:
         app = _App(probe, observer.registry, None if ui is None else ui.app)
         server, thread = serve_wsgi(app, host, port, name="hermes-memory-http")
