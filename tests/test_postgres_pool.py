@@ -20,6 +20,7 @@ from hermes_async_memory import (
     DatabaseUnavailableError,
     Settings,
 )
+from hermes_async_memory.errors import LeaseLostError
 from hermes_async_memory.logs import configure_logging, redact_credentials
 from hermes_async_memory.postgres import check, create_pool, open_pool, redact_dsn, upgrade
 from hermes_async_memory.postgres.dsn import dsn_secrets, scrub, settings_dsn
@@ -324,3 +325,6 @@ async def test_an_unclassified_driver_error_is_an_outage_for_a_bounded_time() ->
     with pytest.raises(KeyError):
         async with database_errors("postgresql://db/mem", window):
             raise KeyError("ours")
+    with pytest.raises(LeaseLostError):
+        async with database_errors("postgresql://db/mem", window):
+            raise LeaseLostError("job 1 is no longer leased to w1")

@@ -20,7 +20,13 @@ import asyncpg
 import structlog
 from asyncpg import Pool, Record
 
-from ..errors import ConfigurationError, DatabaseError, DatabaseUnavailableError, describe
+from ..errors import (
+    ConfigurationError,
+    DatabaseError,
+    DatabaseUnavailableError,
+    HermesMemoryError,
+    describe,
+)
 from ..settings import Settings
 from .dsn import dsn_secrets, redact_dsn, scrub, settings_dsn
 
@@ -75,6 +81,8 @@ def classify(exc: BaseException) -> str | None:
     """What the driver's error ``exc`` means: ``UNAVAILABLE``, ``LOST``, ``REFUSED`` or
     ``UNCLASSIFIED`` (see above); None when it is not the driver's (raised by other code,
     which handles it)."""
+    if isinstance(exc, HermesMemoryError):
+        return None  # ours, raised on purpose (a lease lost, a schema too old)
     if isinstance(exc, LASTING_OS_ERRORS):
         return REFUSED
     if isinstance(exc, (OSError, TimeoutError, asyncio.TimeoutError)):
