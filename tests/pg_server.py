@@ -18,6 +18,7 @@ test run dies without calling it (SIGKILL included), so no postgres process outl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import secrets
@@ -26,9 +27,10 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 PG_VERSION = "15"
@@ -314,3 +316,17 @@ class PostgresServer:
                 log = "; server log: " + " | ".join(self.log_file.read_text().splitlines()[-5:])
             output = " ".join((result.stdout + result.stderr).split())
             raise PostgresUnavailable(f"{what} failed (exit {result.returncode}): {output}{log}")
+
+
+@contextlib.asynccontextmanager
+async def upgraded_pool(dsn: str, *setup: str) -> AsyncIterator[Any]:
+    """A small pool on the test's database, upgraded to the library's schema, after the
+    test's own statements (``setup``: the tables its probes write)."""
+    from hermes_async_memory import Settings
+    from hermes_async_memory.postgres import open_pool, upgrade
+
+    async with open_pool(Settings(postgres_dsn=dsn, postgres_pool_max_size=4)) as pool:
+        await upgrade(pool)
+        for statement in setup:
+            await pool.execute(statement)
+        yield pool

@@ -35,11 +35,10 @@ from asyncpg import Pool, Record
 from structlog.testing import capture_logs
 
 from hermes_async_memory import MemoryPipeline, Settings
-from hermes_async_memory.postgres import open_pool, upgrade
 from hermes_async_memory.postgres.jobs import Job, complete_in, enqueue
 from hermes_async_memory.postgres.worker import JobWorker
 
-from .pg_server import PostgresServer
+from .pg_server import PostgresServer, upgraded_pool
 from .processes import Worker
 
 Spawn = Callable[..., Awaitable[Worker]]
@@ -57,9 +56,8 @@ FINISHED = """CREATE TABLE IF NOT EXISTS probe_done (
 
 @pytest.fixture
 async def db(pg_dsn: str) -> AsyncIterator[Pool[Record]]:
-    async with open_pool(Settings(postgres_dsn=pg_dsn, postgres_pool_max_size=4)) as pool:
-        await upgrade(pool)
-        await pool.execute(FINISHED)
+    """The test's database, upgraded, with a pool for the test's own look into it."""
+    async with upgraded_pool(pg_dsn, FINISHED) as pool:
         yield pool
 
 

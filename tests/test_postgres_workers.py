@@ -23,7 +23,7 @@ import pytest
 from asyncpg import Pool, Record
 
 from hermes_async_memory import MemoryPipeline, Settings
-from hermes_async_memory.postgres import open_pool, upgrade
+from hermes_async_memory.postgres import open_pool
 from hermes_async_memory.postgres.jobs import JOBS_CHANNEL, Job, complete_in, enqueue
 from hermes_async_memory.postgres.listen import Listener
 from hermes_async_memory.postgres.recall_jobs import (
@@ -36,7 +36,7 @@ from hermes_async_memory.postgres.recall_jobs import (
 from hermes_async_memory.postgres.worker import Handler, JobRunner, default_handlers
 from hermes_async_memory.retry import Backoff
 
-from .pg_server import PostgresServer, free_port
+from .pg_server import PostgresServer, free_port, upgraded_pool
 from .processes import Spawn, Worker
 
 WAIT_S = 30.0
@@ -56,12 +56,25 @@ CREATE TABLE starts (
 """
 
 
+async def scrape_until(url: str, wanted: str) -> str:
+    """The worker's /metrics once it holds ``wanted``: scraped again, a scrape apart, until
+    it does (a metric moves just after what a test can wait on), within WAIT_S."""
+    def scrape() -> str:
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            return str(answer.read().decode())
+
+    with anyio.fail_after(WAIT_S):
+        while True:
+            metrics = await anyio.to_thread.run_sync(scrape)
+            if wanted in metrics:
+                return metrics
+            await anyio.sleep(0.05)
+
+
 @pytest.fixture
 async def db(pg_dsn: str) -> AsyncIterator[Pool[Record]]:
     """The test's database, upgraded, with a pool for the test's own look into it."""
-    async with open_pool(Settings(postgres_dsn=pg_dsn, postgres_pool_max_size=4)) as pool:
-        await upgrade(pool)
-        await pool.execute(FINISHED)
+    async with upgraded_pool(pg_dsn, FINISHED) as pool:
         yield pool
 
 
@@ -390,19 +403,9 @@ async def test_the_worker_process_runs_jobs_beside_its_pipeline(
                                    for rec in worker.logs), WAIT_S)
     [listening] = [rec for rec in worker.logs if rec.get("event") == "http_listening"]
     url = f"http://127.0.0.1:{listening['port']}/metrics"
-
-    def scrape() -> str:
-        with urllib.request.urlopen(url, timeout=10) as answer:
-            return str(answer.read().decode())
-
-    # The counter moves just after the completion commits (which the NOTIFY above tells):
-    # scraped again, a scrape apart, until it does; the process gives no event for it.
-    with anyio.fail_after(WAIT_S):
-        while True:
-            metrics = await anyio.to_thread.run_sync(scrape)
-            if "hermes_memory_jobs_completed_total 2.0" in metrics:
-                break
-            await anyio.sleep(0.05)
+    # The counter moves just after the completion commits (which the NOTIFY above tells);
+    # the process gives no event for it.
+    metrics = await scrape_until(url, "hermes_memory_jobs_completed_total 2.0")
     assert "hermes_memory_jobs_failed_total 0.0" in metrics
     assert "hermes_memory_jobs_running 0.0" in metrics
 
@@ -519,19 +522,10 @@ async def test_the_worker_s_metrics_show_the_job_queue_by_kind_and_status(
                          "--http", "127.0.0.1:0", env=env)
     listening = await worker.log_line("http_listening", WAIT_S)
     url = f"http://127.0.0.1:{listening['port']}/metrics"
-
-    def scrape() -> str:
-        with urllib.request.urlopen(url, timeout=10) as answer:
-            return str(answer.read().decode())
-
-    # The queue is read as the runner starts, beside the server: scraped again, a scrape
-    # apart, until the first read is in (the process logs no event for it).
-    with anyio.fail_after(WAIT_S):
-        while True:
-            metrics = await anyio.to_thread.run_sync(scrape)
-            if 'hermes_memory_jobs_queue{kind="elsewhere",status="queued"} 3.0' in metrics:
-                break
-            await anyio.sleep(0.05)
+    # The queue is read as the runner starts, beside the server (the process logs no event
+    # for its first read).
+    metrics = await scrape_until(
+        url, 'hermes_memory_jobs_queue{kind="elsewhere",status="queued"} 3.0')
     [age] = [line for line in metrics.splitlines() if line.startswith(
         'hermes_memory_jobs_queue_oldest_age_seconds{kind="elsewhere",status="queued"}')]
     assert 120 <= float(age.split()[-1]) < 120 + WAIT_S
