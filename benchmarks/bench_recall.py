@@ -6,11 +6,13 @@ most messages; per-user topic words in a user's own messages; a long tail of rar
 and cached under benchmarks/.data/ keyed by its parameters and the store schema; later runs
 reuse it. Building 1M messages takes a few minutes on 2 cores.
 
-Measured, one query at a time, each timed with perf_counter_ns around the await:
-* ``await mem.search(query, user_id=u)`` — the library's recall: tokens quoted, terms found
-  in more than ``frequent_term_rows`` messages dropped, scoped to the user's rows, bm25,
-  LIMIT 5, snippets. Queries mix common words, one of the user's topic words, a
-  mid-frequency word and a rare one ("what did we say about the {topic} and {mid}?").
+The file is read once first (a running gateway has it in the page cache). Measured, one
+query at a time, each timed with perf_counter_ns around the await:
+* ``await mem.search(query, user_id=u)`` — the library's recall: stopwords and terms found
+  in more than ``frequent_term_rows`` messages dropped, the rest quoted and scoped to the
+  user's rows, bm25 over a pool of 10, each shown hit with the messages beside it, whole
+  messages within the block's budget. Queries mix common words, one of the user's topic
+  words, a mid-frequency word and a rare one (``Corpus.query``).
 * the same with the frequent-term set emptied (stopwords kept, still scoped): what the
   frequent-term dropping buys.
 * baseline, the naive approach: every term of the query, quoted, ORed, unscoped,
@@ -56,8 +58,8 @@ from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.recall import quote
 from hermes_async_memory.store import SCHEMA, SCHEMA_VERSION
 
-GOAL_P50_NS = 5_000_000
-GOAL_P99_NS = 20_000_000
+GOAL_P50_NS = 1_000_000
+GOAL_P99_NS = 2_000_000
 # A recall that finds nothing is fast and useless: below this hit rate the run is invalid.
 MIN_HIT_RATE = 0.9
 CORPUS_VERSION = 1  # bump when Corpus changes what it generates
@@ -187,6 +189,11 @@ async def main() -> list[Result]:
     warm, queries = queries[:40], queries[40:]
     print("example queries:", "; ".join(q for _, q in queries[:3]))
 
+    # A gateway that has run a while has its store in the page cache; a run after other
+    # benchmarks read gigabytes may not. Read the file once, so both time the recall itself.
+    with open(path, "rb") as f:
+        while f.read(1 << 20):
+            pass
     settings = Settings(db_path=path)
     t0 = time.perf_counter()
     async with MemoryPipeline(settings) as mem:
@@ -256,7 +263,7 @@ async def main() -> list[Result]:
         )
     r50 = s_nv["p50"] / s_sc["p50"]
     print(
-        f"naive / mem.search at p50: {r50:,.0f}x; goal p50 <= 5 ms and p99 <= 20 ms: "
+        f"naive / mem.search at p50: {r50:,.0f}x; goal p50 <= 1 ms and p99 <= 2 ms: "
         f"{'PASS' if met else 'MISS'}"
     )
     label = f"{messages // 1000:,}k" if messages < 1_000_000 else f"{messages // 1_000_000}M"
@@ -266,7 +273,7 @@ async def main() -> list[Result]:
             f"{fmt_ns(s_sc['p50'])} / {fmt_ns(s_sc['p99'])}",
             f"naive unscoped MATCH {fmt_ns(s_nv['p50'])} / {fmt_ns(s_nv['p99'])} (n={s_nv['n']})",
             f"{r50:,.0f}x faster",
-            "p50 ≤ 5 ms, p99 ≤ 20 ms",
+            "p50 ≤ 1 ms, p99 ≤ 2 ms",
             met,
         ),
         Result(

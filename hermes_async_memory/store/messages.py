@@ -178,9 +178,9 @@ class Messages(Connections):
         ids; and role, timestamp and text (its first RECALL_SOURCE_CHARS characters) of those
         and of their neighbours (``RECALL_POOL``)."""
         async with self.reader() as db:
-            async with db.execute(RECALL_POOL, (match, pool, shown, RECALL_SOURCE_CHARS)
-                                  ) as cur:
-                rows = await cur.fetchall()
+            # One hand-over to the reader's thread, not three (execute, fetch, close).
+            rows = list(await db.execute_fetchall(
+                RECALL_POOL, (match, pool, shown, RECALL_SOURCE_CHARS)))
             texts: dict[int, tuple[str, float, str]] = {}
             long: list[int] = []
             for r in rows:
@@ -189,11 +189,10 @@ class Messages(Connections):
                     if r[8] == "":  # longer than RECALL_SOURCE_CHARS (or empty)
                         long.append(int(r[0]))
             if long:
-                async with db.execute(RECALL_SNIPPET.format(ids=",".join(map(str, long))),
-                                      (match,)) as cur:
-                    for rowid, snip in await cur.fetchall():
-                        role, at, _ = texts[int(rowid)]
-                        texts[int(rowid)] = (role, at, snip or "")
+                for rowid, snip in await db.execute_fetchall(
+                        RECALL_SNIPPET.format(ids=",".join(map(str, long))), (match,)):
+                    role, at, _ = texts[int(rowid)]
+                    texts[int(rowid)] = (role, at, snip or "")
         for r in rows:  # the neighbours: a hit's own text (or snippet) stands
             if r[3] is not None and r[9] is not None:
                 texts.setdefault(int(r[3]), (r[9], float(r[10]), r[11] or ""))
