@@ -2,7 +2,7 @@
 messages over the same messages, plain and with stemming and stopwords (issue 26).
 
     .venv/bin/python benchmarks/bench_locomo.py DIR [--k 5,10] [--conversations 26,30]
-                     [--json PATH] [--quiet] [--quick] [--check N]
+                     [--json PATH] [--quiet] [--quick] [--check N] [--postgres]
 
 DIR holds LoCoMo conversations, one JSON file each (shared/data/locomo-dev: five of them).
 They are loaded as shared/data/README.md says, so that these figures and the issue's agree:
@@ -66,6 +66,13 @@ at each k: hit@k (some evidence utterance shown), recall@k (the share of the que
 evidence shown, averaged over questions), MRR (1 / the rank of the first entry showing
 evidence, 0 when none does), and the block's mean size in characters (the whole prefetch
 block, and its recall part).
+
+``--postgres``: the PostgreSQL store's recall too, for each k (rows "PostgreSQL k=N"): a
+PostgreSQL 15 server of the tests' (``tests/pg_server.py``: initdb and pg_ctl, on
+127.0.0.1), a new database upgraded (its stemmed index built), a pipeline with backend
+"postgres" that takes every turn through ``sync_turn`` and replicates it there, then each
+question through ``postgres.recall.recall_block`` for the conversation's user, the block
+read as ours.
 
 Baselines, in the same run, over the same messages (every stored message of that user,
 "(no reply)" included), each message a document, the k best as k entries (an entry shows
@@ -449,6 +456,71 @@ async def run_k(db: Path, k: int, conversations: Sequence[Conversation]) -> Run:
     return run
 
 
+async def run_postgres(dsn: str, folder: Path, k: int, conversations: Sequence[Conversation]
+                       ) -> dict[tuple[str, int], Shown]:
+    """Every turn replicated to the database at ``dsn``, then each question's block from
+    the PostgreSQL store's recall."""
+    from hermes_async_memory.backends.base import RecallRequest
+    from hermes_async_memory.postgres import open_pool
+    from hermes_async_memory.postgres.recall import recall_block
+
+    settings = Settings(db_path=folder / "locomo.db", backend="postgres", postgres_dsn=dsn,
+                        recall_limit=k, max_queued_turns=100_000)
+    async with MemoryPipeline(settings) as mem:
+        write_turns(mem, conversations)
+        await mem.flush(timeout=FLUSH_TIMEOUT_S)
+        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+        while True:
+            mark = mem.change_mark()
+            if await mem.store.replica_counts("postgres") == (0, 0):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the turns did not reach PostgreSQL")
+            await mem.next_change(timeout=FLUSH_TIMEOUT_S, since=mark)
+    out: dict[tuple[str, int], Shown] = {}
+    async with open_pool(settings) as pool:
+        for conv in conversations:
+            for q in conv.questions:
+                block = await recall_block(
+                    pool, RecallRequest(q.question, f"locomo-{conv.stem}-q{q.index}-pg",
+                                        conv.user, k), settings)
+                part = recall_part(block)
+                out[(conv.stem, q.index)] = Shown(
+                    [(e, conv.index.shown(e)) for e in entries(part)], len(block), len(part))
+    return out
+
+
+def postgres_runs(ks: Sequence[int], conversations: Sequence[Conversation]
+                  ) -> dict[int, dict[tuple[str, int], Shown]]:
+    """``run_postgres`` for each k, each on a new database of one server for the run."""
+    repo = Path(__file__).resolve().parent.parent
+    if str(repo) not in sys.path:
+        sys.path.insert(1, str(repo))
+    from tests.pg_server import PostgresServer, PostgresUnavailable
+
+    from hermes_async_memory.postgres import open_pool, upgrade
+
+    async def upgraded(dsn: str) -> None:
+        async with open_pool(Settings(postgres_dsn=dsn, postgres_pool_max_size=1)) as pool:
+            await upgrade(pool)
+
+    try:
+        server = PostgresServer.create()
+    except PostgresUnavailable as exc:
+        raise SystemExit(f"bench_locomo --postgres: {exc}") from None
+    out = {}
+    try:
+        server.start()
+        for k in ks:
+            dsn = server.create_database("locomo")
+            asyncio.run(upgraded(dsn))
+            with scratch_dir("locomo-pg") as tmp:
+                out[k] = asyncio.run(run_postgres(dsn, tmp, k, conversations))
+    finally:
+        server.cleanup()
+    return out
+
+
 # -- the baselines -------------------------------------------------------------------------
 
 
@@ -522,6 +594,8 @@ def main() -> list[Result]:
                    help=f"only the first {QUICK_CONVERSATIONS} conversations")
     p.add_argument("--check", type=int, default=0, metavar="N",
                    help="print N blocks (ours, the first k) with what the matcher found")
+    p.add_argument("--postgres", action="store_true",
+                   help="the PostgreSQL store's recall too (a server of the tests' own)")
     args = p.parse_args()
     quiet_logs()
     ks = sorted({int(x) for x in args.k.split(",") if x.strip()})
@@ -563,6 +637,12 @@ def main() -> list[Result]:
             f"{n_q} recalls {run.ask_s:.2f} s ({run.ask_s / n_q * 1e3:.2f} ms each); "
             f"reopened ({run.frequent} frequent terms dropped): {run.reopen_ask_s:.2f} s")
 
+    pg: dict[int, dict[tuple[str, int], Shown]] = {}
+    if args.postgres:
+        t0 = time.perf_counter()
+        pg = postgres_runs(ks, convs)
+        say(f"PostgreSQL: {len(ks)} runs in {time.perf_counter() - t0:.2f} s")
+
     t0 = time.perf_counter()
     stemmed = stemmed_tokenizer()
     kmax = max(ks)
@@ -578,6 +658,7 @@ def main() -> list[Result]:
     systems: list[tuple[str, int, dict[tuple[str, int], Shown]]] = [
         *((f"ours k={k}", k, runs[k].fresh) for k in ks),
         *((f"{refreshed} k={k}", k, runs[k].reopened) for k in ks),
+        *((f"PostgreSQL k={k}", k, pg[k]) for k in ks if k in pg),
         *((f"{name} k={k}", k, shown) for name, shown in bases.items() for k in ks),
     ]
     tallies: dict[str, dict[int | str, Tally]] = {}
@@ -652,6 +733,11 @@ def main() -> list[Result]:
                f"{slash(hits(refreshed))} ({block_at(refreshed)})", stem_what,
                ratio(hits(refreshed), hits("stemmed BM25")), "—", None),
     ]
+    if pg:
+        results.append(Result(
+            f"{head}: {at}, PostgreSQL store (mean block at k={ks[0]})",
+            f"{slash(hits('PostgreSQL'))} ({block_at('PostgreSQL')})", stem_what,
+            ratio(hits("PostgreSQL"), hits("stemmed BM25")), "—", None))
     report(results, None)
     print()
     for r in results:

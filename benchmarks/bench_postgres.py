@@ -100,7 +100,7 @@ from hermes_async_memory.backends.base import RecallRequest
 from hermes_async_memory.postgres import open_pool, upgrade
 from hermes_async_memory.postgres.backend import PostgresBackend
 from hermes_async_memory.postgres.notices import MAX_NOTIFY_BYTES, WRITES_CHANNEL
-from hermes_async_memory.postgres.recall import SNIPPET_SOURCE_CHARS, recall_block
+from hermes_async_memory.postgres.recall import TEXT_CHARS, recall_block
 from hermes_async_memory.postgres.statements import (
     ADD_COUNTERS,
     INSERT_MESSAGES,
@@ -728,7 +728,7 @@ def make_queries(corpus: Corpus, rng: random.Random, n: int) -> list[Query]:
 
 def unscoped_sql(n_terms: int) -> str:
     terms = " || ".join(f"plainto_tsquery('simple', ${i + 2})" for i in range(n_terms))
-    return UNSCOPED.format(chars=SNIPPET_SOURCE_CHARS, terms=f"({terms})")
+    return UNSCOPED.format(chars=TEXT_CHARS, terms=f"({terms})")
 
 
 async def recall(server: PostgresServer, quick: bool) -> list[Result]:

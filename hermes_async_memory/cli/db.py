@@ -160,7 +160,8 @@ def _status(args: argparse.Namespace) -> int:
     rows = [("database", f"{found.database} ({redact_dsn(dsn)})"),
             ("server", f"PostgreSQL {found.server_version}"),
             ("schema version", f"{found.version} (this library: {found.expected})"),
-            ("state", state)]
+            ("state", state),
+            ("stemmed recall index", found.stemmed_index)]
     rows += [(f"applied {a.version}", f"{a.name} ({a.applied_at:%Y-%m-%d %H:%M:%S %Z})")
              for a in found.applied]
     rows += [(f"pending {m.version}", m.name) for m in found.pending]

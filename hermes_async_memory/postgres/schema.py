@@ -33,6 +33,17 @@ machines writing one database need on top:
   it came with (``base_*``) (``postgres.derived``).
 - **Calls awaiting their answer** (version 5): a call whose record holds no answer for it
   is logged ``awaiting`` until a later write settles it (``postgres.derived``).
+- **Stemmed recall** (version 6): ``messages.search_stemmed``, the text under the
+  ``english`` configuration (Porter stems and the Snowball stop list, as the local word
+  index) with the scope tokens as in ``search``, which session search keeps using. A
+  trigger fills it for every new row; the rows stored before are filled by
+  ``build_stemmed_search`` after the upgrade's transaction commits, in slices of the
+  primary key (each its own transaction: writers are never blocked for long), then its GIN
+  index is built with ``CREATE INDEX CONCURRENTLY``. Until that index is valid, recall
+  answers through ``search`` (``postgres.recall``); ``hermes-memory db status`` shows the
+  index's state and a build's progress. (A generated column would have rewritten the whole
+  table under an exclusive lock, and an index on the expression would have the recall
+  parse every candidate message again.)
 
 Upgrades take a transaction-level advisory lock, so two processes upgrading at once apply
 each migration once: the second waits, then finds nothing to do. A migration and its
@@ -65,6 +76,26 @@ SEARCH_CHARS = 150_000
 # locks are unlikely to collide with it.
 UPGRADE_LOCK_ID = 0x6865726D6573
 UPGRADE_HINT = "run `hermes-memory db upgrade`"
+
+
+# The stemmed vector (``{content}``, ``{scope}``: the row's columns) and its index.
+STEMMED_VECTOR = (f"setweight(to_tsvector('english', left(coalesce({{content}}, ''), "
+                  f"{SEARCH_CHARS})), 'D') || setweight(to_tsvector('simple', {{scope}}), 'A')")
+STEMMED_INDEX = "messages_search_stemmed"
+# A session-level advisory lock for filling and indexing it: two upgrades at once do it once.
+STEMMED_LOCK_ID = UPGRADE_LOCK_ID + 1
+# Rows of the primary key filled per transaction by the backfill.
+STEMMED_SLICE = 5_000
+STEMMED = f"""
+ALTER TABLE messages ADD COLUMN search_stemmed tsvector;
+CREATE FUNCTION messages_stem_search() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.search_stemmed := {STEMMED_VECTOR.format(content="NEW.content", scope="NEW.scope")};
+    RETURN NEW;
+END $$;
+CREATE TRIGGER messages_stem_search BEFORE INSERT OR UPDATE OF content, scope ON messages
+    FOR EACH ROW EXECUTE FUNCTION messages_stem_search();
+"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,8 +310,12 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(3, "recall job results", RECALL_RESULTS),
     Migration(4, "derived work: pending tool calls, template base counts", DERIVED),
     Migration(5, "tool calls awaiting their answer", AWAITING),
+    # The rows stored before, and the index, are done after the transaction (an index
+    # cannot be built concurrently in one): build_stemmed_search.
+    Migration(6, "stemmed recall search (filled and indexed after the upgrade)", STEMMED),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
+STEMMED_VERSION = 6
 assert [m.version for m in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1))
 
 VERSION_TABLE = """
@@ -319,6 +354,7 @@ class SchemaStatus:
     version: int
     expected: int
     applied: tuple[AppliedMigration, ...]
+    stemmed_index: str = "missing"  # stemmed_index_state
 
     @property
     def current(self) -> bool:
@@ -334,6 +370,7 @@ class SchemaStatus:
             "database": self.database, "server_version": self.server_version,
             "version": self.version, "expected": self.expected, "current": self.current,
             "pending": [{"version": m.version, "name": m.name} for m in self.pending],
+            "stemmed_index": self.stemmed_index,
             "applied": [{"version": a.version, "name": a.name,
                          "applied_at": a.applied_at.isoformat()} for a in self.applied],
         }
@@ -371,12 +408,83 @@ async def upgrade(pool: Pool[Record], *, target: int | None = None) -> Upgrade:
             log.info("postgres.migration", database=database, version=step.version,
                      name=step.name,
                      duration_ms=round((time.perf_counter() - step_started) * 1000, 1))
+    if target >= STEMMED_VERSION:
+        await build_stemmed_search(pool)
     result = Upgrade(database=database, from_version=found, to_version=max(found, target),
                      applied=steps, duration_s=time.perf_counter() - started)
     log.info("postgres.upgrade", database=database, from_version=found,
              to_version=result.to_version, applied=len(steps),
              duration_ms=round(result.duration_s * 1000, 1))
     return result
+
+
+async def build_stemmed_search(pool: Pool[Record]) -> bool:
+    """Fill ``search_stemmed`` for the rows stored before version 6 (slices of the primary
+    key, each its own transaction), then build its index concurrently, or again if a build
+    was cut short (which leaves an invalid index behind); returns whether it built the
+    index. Writers go on meanwhile, and recall answers through ``search``. While another
+    caller is at it, returns False at once (two at once do it once); one cut short is
+    resumed by the next.
+
+    Raises:
+        asyncpg.PostgresError, OSError: the database failed (what is done stays done).
+    """
+    async with pool.acquire() as conn:
+        # Not waited for: a statement waiting for it would hold a snapshot that the other
+        # caller's concurrent index build waits out, a deadlock.
+        if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", STEMMED_LOCK_ID):
+            log.info("postgres.stemmed_search_elsewhere",
+                     detail="another upgrade is filling and indexing it")
+            return False
+        try:
+            valid = await conn.fetchval(
+                "SELECT i.indisvalid FROM pg_index AS i WHERE i.indexrelid = to_regclass($1)",
+                STEMMED_INDEX)
+            if valid:
+                return False
+            started = time.perf_counter()
+            # Every row without the trigger was committed before the migration was (its
+            # ALTER TABLE waited for their writers), so none is above this id.
+            last = int(await conn.fetchval("SELECT coalesce(max(id), 0) FROM messages"))
+            fill = (f"UPDATE messages SET search_stemmed = "
+                    f"{STEMMED_VECTOR.format(content='content', scope='scope')} "
+                    "WHERE id > $1 AND id <= $2 AND search_stemmed IS NULL")
+            filled = 0
+            for low in range(0, last, STEMMED_SLICE):
+                done = await conn.execute(fill, low, low + STEMMED_SLICE)
+                filled += int(done.split()[-1])
+            if valid is not None:
+                log.warning("postgres.stemmed_index_rebuilt", index=STEMMED_INDEX,
+                            reason="an earlier build did not finish")
+                await conn.execute(f"DROP INDEX CONCURRENTLY IF EXISTS {STEMMED_INDEX}")
+            await conn.execute(f"CREATE INDEX CONCURRENTLY IF NOT EXISTS {STEMMED_INDEX} "
+                               "ON messages USING gin (search_stemmed)")
+            log.info("postgres.stemmed_search_built", index=STEMMED_INDEX, rows_filled=filled,
+                     duration_ms=round((time.perf_counter() - started) * 1000, 1))
+            return True
+        finally:
+            await conn.execute("SELECT pg_advisory_unlock($1)", STEMMED_LOCK_ID)
+
+
+async def stemmed_index_state(pool: Pool[Record]) -> str:
+    """The stemmed index: ``ready``; ``building`` with the server's progress (its phase and
+    blocks done); ``missing`` (``hermes-memory db upgrade`` fills the older rows and builds
+    it, or is doing so); ``invalid`` (a build cut short: the next upgrade builds it again)."""
+    async with pool.acquire() as conn:
+        valid = await conn.fetchval(
+            "SELECT i.indisvalid FROM pg_index AS i WHERE i.indexrelid = to_regclass($1)",
+            STEMMED_INDEX)
+        progress = await conn.fetchrow(
+            "SELECT p.phase, p.blocks_done, p.blocks_total FROM pg_stat_progress_create_index "
+            "AS p WHERE p.relid = to_regclass('messages') AND p.datid = "
+            "(SELECT oid FROM pg_database WHERE datname = current_database())")
+    if valid:
+        return "ready"
+    if progress is not None:
+        done, total = progress["blocks_done"], progress["blocks_total"]
+        share = f", {done}/{total} blocks" if total else ""
+        return f"building ({progress['phase']}{share})"
+    return "missing" if valid is None else "invalid"
 
 
 async def check(pool: Pool[Record]) -> int:
@@ -414,9 +522,10 @@ async def status(pool: Pool[Record]) -> SchemaStatus:
         found = await _version(conn)
         rows = [] if found == 0 else await conn.fetch(
             "SELECT version, name, applied_at FROM schema_version ORDER BY version")
+    stemmed = await stemmed_index_state(pool) if found else "missing"
     return SchemaStatus(
         database=database, server_version=server_version, version=found,
-        expected=SCHEMA_VERSION,
+        expected=SCHEMA_VERSION, stemmed_index=stemmed,
         applied=tuple(AppliedMigration(r["version"], r["name"], r["applied_at"])
                       for r in rows))
 
