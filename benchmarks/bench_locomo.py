@@ -496,9 +496,8 @@ def postgres_runs(ks: Sequence[int], conversations: Sequence[Conversation]
     repo = Path(__file__).resolve().parent.parent
     if str(repo) not in sys.path:
         sys.path.insert(1, str(repo))
-    from tests.pg_server import PostgresServer, PostgresUnavailable
-
     from hermes_async_memory.postgres import open_pool, upgrade
+    from tests.pg_server import PostgresServer, PostgresUnavailable
 
     async def upgraded(dsn: str) -> None:
         async with open_pool(Settings(postgres_dsn=dsn, postgres_pool_max_size=1)) as pool:

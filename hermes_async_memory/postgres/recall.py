@@ -30,8 +30,7 @@ from typing import Any
 
 from ..backends.base import RecallRequest
 from ..fence import Fence
-from ..recall.query import fill_lines, pool_size, query_terms, rank_windows, render_hits, \
-    shown_size
+from ..recall.query import fill_lines, pool_size, query_terms, rank_windows, render_hits, shown_size
 from ..settings import Settings
 from ..store.messages import PoolRow
 from ..turns import scope_token_for
