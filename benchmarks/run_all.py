@@ -7,7 +7,8 @@ Before each benchmark the machine's CPU use is sampled while nothing of ours run
 (up to --wait-quiet seconds) for two quiet seconds in a row: latency tails on a 2-core
 machine move a lot when something else is busy, so the table also says how quiet it was.
 --locomo DIR also runs bench_locomo.py (recall relevance) on that folder of LoCoMo
-conversations (shared/data/locomo-dev); without it, that benchmark is left out.
+conversations (shared/data/locomo-dev), the PostgreSQL store's recall included
+(``--postgres``); without it, that benchmark is left out.
 --update-readme replaces the table between the ``<!-- results:start -->`` and
 ``<!-- results:end -->`` markers of benchmarks/README.md.
 """
@@ -115,7 +116,7 @@ def main() -> int:
             out = Path(tmp.name)
         cmd = [sys.executable, str(script), "--json", str(out)] + (
             ["--quick"] if args.quick else []
-        ) + ([str(args.locomo)] if name == "locomo" else [])
+        ) + ([str(args.locomo), "--postgres"] if name == "locomo" else [])
         t0 = time.perf_counter()
         b0, j0 = busy_jiffies()
         c0 = children_cpu_s()
