@@ -1,13 +1,14 @@
 """Acknowledged outbox records destroyed by a segment cut short (truncated mid-record, or to
-zero bytes) are counted at the next start: in stats(), an error-level log line, and a health
-condition that `hermes-memory status` shows and that stays, across starts, until
-`hermes-memory outbox clear-destroyed` clears it. The loss cannot be undone; its silence can.
+zero bytes) are counted at the next start: in stats(), an error-level log line, a /metrics
+gauge, and a health condition that `hermes-memory status` shows and that stays, across
+starts, until `hermes-memory outbox clear-destroyed` clears it. The loss cannot be undone; its silence can.
 
 Invariant checked on every acknowledged turn: it is either stored once, or it was in the
 destroyed part of the segment; the count reported equals the destroyed part exactly."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import mmap
 import os
@@ -23,9 +24,11 @@ from structlog.testing import capture_logs
 
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.outbox import records
+from hermes_async_memory.worker.http import start_http_server
 
 from .helpers import stored_turns
 from .processes import EXIT_TIMEOUT_S, ROOT, child_env
+from .test_worker_http import metrics
 
 SEGMENT_BYTES = 64 * 1024  # the smallest allowed: a few hundred turns per segment
 ACKS = 1500
@@ -144,6 +147,12 @@ async def test_a_segment_cut_short_reports_exactly_the_acknowledged_turns_it_des
             health = mem.health()
             assert "outbox_records_destroyed" in health.conditions
             assert str(reported) in health.conditions["outbox_records_destroyed"]
+            server = start_http_server(mem, asyncio.get_running_loop(), port=0)
+            try:
+                values = await metrics(server.url)
+            finally:
+                await server.aclose()
+            assert values["hermes_memory_outbox_destroyed_turns"] == reported
     errors = [e for e in logs if e["event"] == "outbox_records_destroyed"]
     assert len(errors) == 1 and errors[0]["log_level"] == "error"
     assert errors[0]["turns"] == reported

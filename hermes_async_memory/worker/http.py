@@ -72,6 +72,8 @@ _GAUGES: tuple[tuple[str, str, _Field], ...] = (
     ("oldest_pending_age_seconds", "Age of the oldest accepted turn not yet settled.",
      lambda s: s.oldest_pending_age_s),
     ("outbox_segments", "Outbox segment files on disk.", lambda s: s.outbox_segments),
+    ("outbox_destroyed_turns", "Acknowledged turns found destroyed in cut-short outbox "
+     "segments, until `hermes-memory outbox clear-destroyed`.", lambda s: s.destroyed_turns),
     ("inbox_turns", "Turns producers handed to the shared inbox, not yet committed (worker).",
      lambda s: s.inbox_turns),
     ("inbox_oldest_age_seconds", "Age of the oldest turn waiting in the shared inbox (worker).",
