@@ -1,7 +1,8 @@
 """Acknowledged outbox records destroyed by a segment cut short (truncated mid-record, or to
 zero bytes) are counted at the next start: in stats(), an error-level log line, a /metrics
 gauge, and a health condition that `hermes-memory status` shows and that stays, across
-starts, until `hermes-memory outbox clear-destroyed` clears it. The loss cannot be undone; its silence can.
+starts, until `hermes-memory outbox clear-destroyed` clears it. The loss cannot be undone;
+its silence can.
 
 Invariant checked on every acknowledged turn: it is either stored once, or it was in the
 destroyed part of the segment; the count reported equals the destroyed part exactly."""

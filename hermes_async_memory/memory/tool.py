@@ -68,23 +68,36 @@ MEMORY_SCHEMA: dict[str, Any] = {
 async def call_memory_tool(memory: Memory, user_id: str | None, args: object, *,
                            fence: Fence = DEFAULT_FENCE) -> str:
     """Run one call of the tool for ``user_id``; the result or the error as JSON. Stored
-    values are data: the ``fence`` tags in them are made inert (fence.py), which leaves
-    the JSON valid (a ``<`` is only ever inside one of its strings)."""
-    return fence.neutralize(await _call(memory, user_id, args))
+    values are data: the ``fence`` tags in every string of the answer are made inert
+    (fence.py) before it is encoded: a tag with a newline where a space may be is still
+    found, where JSON would have written that newline as a backslash and an n."""
+    return await _call(memory, user_id, args, fence)
 
 
-async def _call(memory: Memory, user_id: str | None, args: object) -> str:
+async def _call(memory: Memory, user_id: str | None, args: object, fence: Fence) -> str:
+    inert = fence.neutralize
     try:
-        return _ok(await _run(memory, user_id, args))
+        return _ok(_inert(await _run(memory, user_id, args), fence))
     except _ArgumentError as exc:
-        return _error(str(exc))
+        return _error(inert(str(exc)))
     except InvalidEntryError as exc:
-        return _error(f"invalid argument: {exc}")
+        return _error(inert(f"invalid argument: {exc}"))
     except BackendLimitError as exc:
-        return json.dumps({"ok": False, "error": str(exc), "done": exc.done},
+        return json.dumps({"ok": False, "error": inert(str(exc)), "done": exc.done},
                           ensure_ascii=False)
     except (HermesMemoryError, TimeoutError, OSError) as exc:
-        return _error(f"the memory could not do that now: {type(exc).__name__}: {exc}")
+        return _error(inert(f"the memory could not do that now: {type(exc).__name__}: {exc}"))
+
+
+def _inert(value: Any, fence: Fence) -> Any:
+    """``value`` with the fence tags of each of its strings (keys too) made inert."""
+    if isinstance(value, str):
+        return fence.neutralize(value)
+    if isinstance(value, dict):
+        return {_inert(k, fence): _inert(v, fence) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_inert(v, fence) for v in value]
+    return value
 
 
 class _ArgumentError(Exception):
