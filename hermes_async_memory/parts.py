@@ -149,9 +149,12 @@ class Parts:
             except Exception as exc:  # closing goes on: the store and outbox still close
                 log.warning("backend_close_failed", error=describe(exc), exc_info=exc)
         await p.store.aclose(max(0.01, (deadline - time.perf_counter()) * 2 / 3))
+        # A close the deadline abandons finishes on its thread, holding the lock until then;
+        # a new pipeline on the same store in this process waits for it (Outbox.closing).
+        self.outbox.closing()
         with anyio.move_on_after(max(0.01, deadline - time.perf_counter())) as scope:
             await anyio.to_thread.run_sync(self.outbox.close, abandon_on_cancel=True)
-        if scope.cancelled_caught:  # it finishes on its thread; until then the lock is held
+        if scope.cancelled_caught:
             log.warning("outbox_close_abandoned", outbox=str(self.outbox.directory))
 
 

@@ -205,6 +205,50 @@ async def test_tiny_deadline_leaves_the_rest_for_the_next_start(settings: Settin
         assert users == [f"pending {i}" for i in range(10_000) if i % 10 == s]
 
 
+async def test_a_restart_in_the_process_waits_for_an_outbox_close_the_deadline_abandoned(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close past aclose's deadline goes on on its thread, holding the outbox's lock: a new
+    pipeline on the same store waits for it to let go (not OutboxBusyError), then commits
+    every pending turn once."""
+    import threading
+
+    from hermes_async_memory.outbox import log as outbox_log
+
+    let_close_finish = threading.Event()
+    opener_waits = threading.Event()
+    real_close, real_await = outbox_log.Outbox.close, outbox_log._await_own_close
+
+    def held_close(self: outbox_log.Outbox) -> None:
+        let_close_finish.wait()
+        real_close(self)
+
+    def noted_await(directory: Path) -> None:
+        opener_waits.set()
+        real_await(directory)
+
+    monkeypatch.setattr(outbox_log.Outbox, "close", held_close)
+    monkeypatch.setattr(outbox_log, "_await_own_close", noted_await)
+    mem = MemoryPipeline(settings)
+    await mem.start()
+    keys = [mem.sync_turn(f"pending {i}", "r", session_id=f"s{i % 3}").key for i in range(300)]
+    await mem.aclose(deadline_s=0)  # returns with the close still running
+    committed_first = count_rows(settings.db_path) // 2
+
+    again = MemoryPipeline(settings)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(again.start)
+        await anyio.to_thread.run_sync(opener_waits.wait)
+        let_close_finish.set()
+    try:
+        await again.flush()
+        assert again.stats().committed_turns == 300 - committed_first
+    finally:
+        await again.aclose()
+    stored = stored_turns(settings.db_path)
+    got = Counter(key for rows in stored.values() for key, role, _ in rows if role == "user")
+    assert set(got) == set(keys) and set(got.values()) == {1}
+
+
 async def test_aclose_is_idempotent_and_closes_the_api(settings: Settings) -> None:
     mem = MemoryPipeline(settings)
     await mem.start()

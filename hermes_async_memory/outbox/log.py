@@ -24,7 +24,7 @@ import re
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -65,6 +65,11 @@ _PAYLOAD_OF = operator.attrgetter("payload")
 # A record's key as this library makes them (``MemoryPipeline.new_key``): the pipeline's
 # random prefix, then its accept counter in hex.
 _OUR_KEY = re.compile(r"([0-9a-f]{12})-([0-9a-f]+)")
+# How long an open waits for this process's own earlier outbox on the same directory to
+# finish closing (a close a deadline abandoned goes on on its thread, holding the lock).
+_CLOSING_WAIT_S = 10.0
+_held_lock = threading.Lock()
+_held: dict[str, _Held] = {}  # by absolute directory: this process's locked outboxes
 
 log = structlog.get_logger(__name__)
 
@@ -148,6 +153,7 @@ class Outbox:
         # Acknowledged records found destroyed, this start and any not cleared since.
         self.destroyed_turns = 0
         self._lock_fd: int | None = None
+        self._held: _Held | None = None  # see _hold
         # Set by a process that commits the store: each turn record takes its messages' ids
         # as it is appended, in accept order (``message_ids``).
         self.ids: MessageIds | None = None
@@ -175,6 +181,7 @@ class Outbox:
             fd = os.open(self.directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as exc:
             raise os_error(exc, f"the outbox directory {self.directory}") from exc
+        _await_own_close(self.directory)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
@@ -185,13 +192,13 @@ class Outbox:
                 "one pipeline per store file (see the worker process for sharing)"
             ) from exc
         self._lock_fd = fd
+        self._held = _hold(self.directory)
         try:
             return self._recover(first_number, writable)
         except BaseException:
             self._open = False
             self._unmap_all()
-            os.close(fd)
-            self._lock_fd = None
+            self._release_lock()
             raise
 
     def _recover(self, first_number: int, writable: bool) -> Recovery:
@@ -304,9 +311,25 @@ class Outbox:
                 else:
                     seg.mm.close()
         self.reap()
+        self._release_lock()
+
+    def closing(self) -> None:
+        """Say, on the caller's thread, that ``close`` is about to run (perhaps on a thread a
+        deadline abandons): an open of the same directory in this process waits for it to
+        let go of the lock rather than find the outbox busy."""
+        if self._held is not None:
+            self._held.closing = True
+
+    def _release_lock(self) -> None:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        held, self._held = self._held, None
+        if held is not None:
+            with _held_lock:
+                if _held.get(held.key) is held:
+                    del _held[held.key]
+            held.released.set()
 
     def _unmap_all(self) -> None:
         for seg in [*self._segments.values(), *self._doomed]:
@@ -687,6 +710,34 @@ class Outbox:
 
 # A record's key near its start (a turn's first field, an operation's second).
 _KEY = re.compile(rb'"k":("(?:[^"\\]|\\.)*")')
+
+
+@dataclass(eq=False)
+class _Held:
+    """An outbox directory this process has locked: ``released`` is set once its close has
+    let go of the lock; ``closing`` once that close has begun."""
+
+    key: str
+    released: threading.Event = field(default_factory=threading.Event)
+    closing: bool = False
+
+
+def _hold(directory: Path) -> _Held:
+    """Record that this process holds ``directory``'s lock (see ``_await_own_close``)."""
+    held = _Held(os.path.abspath(directory))
+    with _held_lock:
+        _held[held.key] = held
+    return held
+
+
+def _await_own_close(directory: Path) -> None:
+    """Before locking ``directory``: if this process's own earlier outbox on it is closing,
+    wait (up to ``_CLOSING_WAIT_S``) until it has let go of the lock. One still open is left
+    alone: the lock then says the outbox is busy, at once."""
+    with _held_lock:
+        held = _held.get(os.path.abspath(directory))
+    if held is not None and held.closing:
+        held.released.wait(_CLOSING_WAIT_S)
 
 
 def _slot_id(tail: bytes) -> int | None:
