@@ -7,6 +7,7 @@ Not a benchmark itself (run the ``bench_*.py`` scripts, or ``run_all.py``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import itertools
 import json
@@ -20,6 +21,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import structlog
 
-from hermes_async_memory.store import SCHEMA
+from hermes_async_memory.store import SqliteStore
 from hermes_async_memory.turns import scope_tokens
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -337,11 +339,23 @@ class Corpus:
 
 # -- the raw sqlite3 group-commit baseline --------------------------------------------------
 
+# What one pipeline commit writes (store/batch.py), as plain statements run per batch with
+# executemany: the session rows with every column the commit's upsert sets, the messages,
+# their word index, their tool index (none here: no tool calls), the message-id high mark,
+# and the outbox keys marked done.
 RAW_SESSION = """
-INSERT INTO sessions (id, source, user_id, started_at, updated_at, message_count)
-VALUES (?, 'api', ?, ?, ?, ?)
-ON CONFLICT (id) DO UPDATE SET updated_at = excluded.updated_at,
-    message_count = sessions.message_count + excluded.message_count
+INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
+                      message_count, tool_call_count, input_tokens, output_tokens)
+VALUES (?, 'api', ?, NULL, NULL, ?, ?, ?, 0, 0, 0)
+ON CONFLICT (id) DO UPDATE SET
+    updated_at = excluded.updated_at,
+    user_id = coalesce(sessions.user_id, excluded.user_id),
+    model = coalesce(excluded.model, sessions.model),
+    parent_session_id = coalesce(sessions.parent_session_id, excluded.parent_session_id),
+    message_count = sessions.message_count + excluded.message_count,
+    tool_call_count = sessions.tool_call_count + excluded.tool_call_count,
+    input_tokens = sessions.input_tokens + excluded.input_tokens,
+    output_tokens = sessions.output_tokens + excluded.output_tokens
 """
 RAW_MESSAGE = """
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, timestamp, user_id, scope)
@@ -351,6 +365,11 @@ RAW_INDEX = """
 INSERT INTO messages_fts (rowid, content, scope)
 SELECT id, content, scope FROM messages WHERE id > ?
 """
+RAW_TOOL_INDEX = """
+INSERT INTO messages_tools (rowid, tool_text, scope)
+SELECT id, tool_text, scope FROM messages WHERE id > ? AND tool_text IS NOT NULL
+"""
+RAW_ID_HIGH = "UPDATE message_id_high SET high = max(high, ?)"
 RAW_DONE = """
 INSERT INTO outbox (key, session_id, segment, status, attempts, accepted_at, updated_at)
 VALUES (?, ?, 1, 'done', 1, ?, ?)
@@ -363,20 +382,31 @@ TurnSpec = tuple[str, str | None, str, str]  # session_id, user_id, user text, a
 
 
 def open_raw(path: Path) -> sqlite3.Connection:
-    """One plain connection with the library's schema, WAL and synchronous=NORMAL."""
+    """One plain connection to a store the library made (its schema as its start leaves it:
+    every table, index, FTS5 table and migration), with the pragmas of the pipeline's writer:
+    WAL, synchronous=NORMAL, temp_store=MEMORY."""
+    if not path.exists():
+        made = threading.Thread(target=asyncio.run, args=(_make_store(path),))
+        made.start()
+        made.join()
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")
-    conn.executescript(SCHEMA)
-    conn.execute("INSERT INTO messages_fts (messages_fts, rank) VALUES ('rank', 'bm25(1.0, 0.0)')")
+    conn.execute("PRAGMA temp_store = MEMORY")
     return conn
+
+
+async def _make_store(path: Path) -> None:
+    store = SqliteStore(path)
+    await store.open()
+    await store.aclose()
 
 
 def raw_group_commit(
     conn: sqlite3.Connection, turns: Sequence[TurnSpec], per_txn: int = 1000
 ) -> None:
-    """The same rows the pipeline writes (sessions, messages, FTS filled per batch with
-    INSERT…SELECT, outbox 'done' keys), ``per_txn`` turns per transaction, no asyncio.
+    """The same rows a pipeline commit writes (``RAW_*``), ``per_txn`` turns per transaction,
+    executemany per table, no asyncio.
 
     Building the row tuples from the turn texts is inside the timed work, as it would be in
     any program that stores turns.
@@ -404,6 +434,8 @@ def raw_group_commit(
         conn.executemany(RAW_SESSION, [tuple(r) for r in sessions.values()])
         conn.executemany(RAW_MESSAGE, messages)
         conn.execute(RAW_INDEX, (first,))
+        conn.execute(RAW_TOOL_INDEX, (first,))
+        conn.execute(RAW_ID_HIGH, (first + len(messages),))
         conn.executemany(RAW_DONE, done)
         conn.execute("COMMIT")
 

@@ -10,17 +10,20 @@ turns, so the writer commits while turns arrive), then flush() waits until all a
 and recallable. Rate = N / (first accept → flush returns). Each accept also makes the turn
 durable (an append to the memory-mapped outbox); the baseline has no such step.
 
-What both sides write, per turn, into the library's own schema (``store.SCHEMA``: the same
-tables, indexes and FTS5 table on both sides):
+What both sides write, per turn, into a store the library made (its schema as a start
+leaves it: the same tables, indexes, FTS5 tables and migrations on both sides), exactly
+what a pipeline commit writes (``store/batch.py``; ``_common.RAW_*``):
   - 2 rows into ``messages`` (session_id, turn_key, ordinal, role, content, timestamp,
-    user_id, scope; tool columns and metadata NULL), which keeps the index
+    user_id, scope; tool columns, fields and metadata NULL), which keeps the index
     ``idx_messages_session(session_id, id)``;
-  - the FTS5 index ``messages_fts(content, scope)`` filled once per transaction with
-    ``INSERT … SELECT`` over the batch's new messages (no trigger);
+  - the word index ``messages_fts(content, scope)`` (porter stems) filled once per
+    transaction with ``INSERT … SELECT`` over the batch's new messages, and the tool index
+    ``messages_tools`` the same way (empty here: no tool calls);
+  - the message-id high mark (``message_id_high``), once per transaction;
   - 1 idempotency key into ``outbox`` (key, session_id, segment, status 'done', attempts,
     accepted_at, updated_at; a WITHOUT ROWID table keyed by the turn key);
-  - its session's row in ``sessions``: inserted on first sight, else updated_at and
-    message_count bumped (kept on both sides: the pipeline writes it).
+  - its session's row in ``sessions``, with every column the commit's upsert sets:
+    inserted on first sight, else updated_at and the counters bumped.
   The pipeline commits max_batch (2,000) turns per transaction while a backlog waits; (a)
   commits the same 2,000 per transaction. After each round the row counts of both stores are
   compared (messages, FTS documents, sessions and their message counts) and the script fails
@@ -28,8 +31,9 @@ tables, indexes and FTS5 table on both sides):
   outbox segments it has deleted (~30,000 turns a 16 MiB segment here), work the baseline
   does not do.
 
-(a) Raw group commit: one sqlite3 connection, no asyncio, WAL + synchronous=NORMAL (as the
-    pipeline), executemany for sessions, messages and keys; building the row tuples from the
+(a) Raw group commit: one sqlite3 connection, no asyncio, the pipeline writer's pragmas
+    (WAL, synchronous=NORMAL, temp_store=MEMORY), executemany for sessions, messages and
+    keys, one transaction per batch; building the row tuples from the
     texts is inside the timed work.
 (b) Per-call store, like seed 000's LocalBackend: for every turn, sqlite3.connect(), upsert
     the session, insert the two messages (an AFTER INSERT trigger keeps the FTS index),
@@ -58,7 +62,6 @@ from pathlib import Path
 from _common import (
     FLUSH_TIMEOUT_S,
     REALISTIC_WORDS,
-    SCHEMA,
     Corpus,
     Result,
     TurnSpec,
@@ -76,6 +79,7 @@ from _common import (
 )
 
 from hermes_async_memory import FlushTimeoutError, MemoryPipeline, Settings
+from hermes_async_memory.store import SCHEMA
 from hermes_async_memory.turns import scope_tokens
 
 GOAL_VS_RAW = 0.60
