@@ -356,6 +356,12 @@ class MemoryPipeline:
         Raises:
             InvalidTurnError: an id is not a non-empty string.
         """
+        try:
+            text = self.cache.cached(user_id, session_id)  # the warm path: one lookup
+        except TypeError:
+            text = None
+        if text is not None:
+            return text
         check_id("session_id", session_id)
         if user_id is not None:
             check_id("user_id", user_id)

@@ -309,6 +309,24 @@ async def test_invalid_turns_get_typed_errors_and_the_pipeline_goes_on(
     assert count_rows(settings.db_path) == 2
 
 
+async def test_prefetch_refuses_bad_ids_typed_and_answers_a_warm_session(
+        mem: MemoryPipeline) -> None:
+    """prefetch's warm path is one lookup; an id that is not one is still refused, typed,
+    whether or not it could be a key (an unhashable one too), and counts no hit."""
+    mem.sync_turn("remember the blue door", "noted", session_id="s", user_id="u")
+    await mem.flush()
+    block = mem.prefetch(session_id="s", user_id="u")
+    assert "blue door" in block
+    assert mem.prefetch(session_id="s", user_id="u") == block
+    hits = mem.stats().recall_hits
+    for bad in ("", "x" * 513, "a\x00b", ["s"], 7, None):
+        with pytest.raises(InvalidTurnError):
+            mem.prefetch(session_id=bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidTurnError):
+            mem.prefetch(session_id="s", user_id=bad or ["u"])  # type: ignore[arg-type]
+    assert mem.stats().recall_hits == hits
+
+
 async def test_oversized_turn_is_refused_clearly(tmp_path: Path) -> None:
     settings = Settings(db_path=tmp_path / "m.db", max_turn_bytes=1024)
     async with MemoryPipeline(settings) as mem:

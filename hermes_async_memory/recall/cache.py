@@ -101,6 +101,22 @@ class RecallCache:
 
     # -- reads (any thread) ------------------------------------------------------------
 
+    def cached(self, user_id: object, session_id: object) -> str | None:
+        """The block of a cached (user, session), or None when it has no entry (nothing
+        counted). Entries exist only for ids that were checked, so a hit needs no check.
+
+        Raises:
+            TypeError: an id is not hashable (so not an id).
+        """
+        entry = self._entries.get((user_id, session_id))  # type: ignore[arg-type]
+        if entry is None:
+            return None
+        rendered = entry.rendered
+        if rendered is None or rendered[0] != entry.version:
+            return None  # rendered by get(), which counts it
+        self.hits += 1
+        return rendered[1]
+
     def get(self, user_id: str | None, session_id: str) -> str:
         entry = self._entries.get((user_id, session_id))
         if entry is None:
