@@ -65,12 +65,14 @@ class Fence:
     def __repr__(self) -> str:
         return f"Fence({self.tags!r})"
 
-    def neutralize(self, text: str) -> str:
-        """``text`` with every fence tag (and a tag's start at a cut) made inert."""
+    def neutralize(self, text: str, *, cut: bool = True) -> str:
+        """``text`` with every fence tag (and a tag's start at a cut) made inert.
+        ``cut=False``: ``text`` is whole, never cut to fit (a stored value as it is), so a
+        ``<`` and the first letters of a name at its end are left as written."""
         if "<" not in text or self._tag is None or self._cut is None:
             return text
         text = self._tag.sub(_inert, text)
-        if "<" not in text:
+        if not cut or "<" not in text:
             return text
         return self._cut.sub(_inert, text)
 

@@ -372,3 +372,21 @@ def test_a_backends_block_is_fenced_as_it_enters_the_cache() -> None:
                      "\u2039agent-notes/\u203a and 3 < 4")
     assert_fenced(shown)
     assert_fenced(shown, "agent-notes")
+
+
+async def test_a_stored_key_ending_in_a_tag_s_first_letters_comes_back_as_stored(
+        tmp_path: Path) -> None:
+    """A stored key or value is whole, never cut: ``<m`` at its end is not a tag's start at
+    a cut, so the tool gives it back as stored, and it can be asked for again."""
+    from hermes_async_memory.memory import call_memory_tool
+
+    async with MemoryPipeline(Settings(db_path=tmp_path / "m.db")) as mem:
+        await mem.memory.store("u", "a<me", "x<m")
+        listed = json.loads(await call_memory_tool(
+            mem.memory, "u", {"action": "query", "query": "x"}, fence=mem.fence))
+        key = listed["entries"][0]["key"]
+        got = json.loads(await call_memory_tool(
+            mem.memory, "u", {"action": "retrieve", "key": key}, fence=mem.fence))
+    assert key == "a<me"
+    assert got["entry"]["value"] == "x<m"
+

@@ -90,9 +90,11 @@ async def _call(memory: Memory, user_id: str | None, args: object, fence: Fence)
 
 
 def _inert(value: Any, fence: Fence) -> Any:
-    """``value`` with the fence tags of each of its strings (keys too) made inert."""
+    """``value`` with the fence tags of each of its strings (keys too) made inert. The
+    strings are whole (stored values and keys, never cut to fit): a key ending in ``<m``
+    comes back as it was stored, so it can be asked for again."""
     if isinstance(value, str):
-        return fence.neutralize(value)
+        return fence.neutralize(value, cut=False)
     if isinstance(value, dict):
         return {_inert(k, fence): _inert(v, fence) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

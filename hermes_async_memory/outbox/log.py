@@ -297,21 +297,23 @@ class Outbox:
     def close(self) -> None:
         """Unmap everything and delete settled segments; records not settled stay on disk
         for the next start. Blocking (file I/O): call it in a worker thread."""
-        with self._lock:
-            segments = list(self._segments.values())
-            self._segments.clear()
-            if self._spare is not None:
-                self._doomed.append(self._spare)
-                self._spare = None
-            self._tail = None
-            self._open = False
-            for seg in segments:
-                if seg.done >= seg.appended:
-                    self._doomed.append(seg)
-                else:
-                    seg.mm.close()
-        self.reap()
-        self._release_lock()
+        try:
+            with self._lock:
+                segments = list(self._segments.values())
+                self._segments.clear()
+                if self._spare is not None:
+                    self._doomed.append(self._spare)
+                    self._spare = None
+                self._tail = None
+                self._open = False
+                for seg in segments:
+                    if seg.done >= seg.appended:
+                        self._doomed.append(seg)
+                    else:
+                        seg.mm.close()
+            self.reap()
+        finally:  # whatever failed above, the lock goes (and an open waiting for it wakes)
+            self._release_lock()
 
     def closing(self) -> None:
         """Say, on the caller's thread, that ``close`` is about to run (perhaps on a thread a

@@ -13,11 +13,13 @@ lexemes, found through a GIN index in one statement that also returns, for each,
 each lexeme occurs in it and its length. They are ranked here by BM25 (k1 1.2, b 0.75; the
 local store's FTS5 ranks by it too): a lexeme's document frequency is counted among the
 candidates, which hold every scope message that has it, over the scope's message count, so
-the figures are the scope's own. The best ``pool_size(limit)`` are the pool; the best
-``shown_size(limit)`` of them are read with the messages before and after each in its
-session (of the same scope), and the block is made by the local recall's own window ranking
-and line filling (``rank_windows``, ``fill_lines``): whole messages, the reply beside the
-question, within the block's budget of characters.
+the figures are the scope's own. (A tsvector keeps at most 256 positions of a word and
+none past 16,383: counts and lengths of very long messages are under-counted.) The best
+``pool_size(limit)`` are the pool; the best ``shown_size(limit)`` of them are read with the
+messages before and after each in its session (of the same scope), and the block is made
+by the local recall's own window ranking and line filling (``rank_windows``,
+``fill_lines``): whole messages, the reply beside the question, within the block's budget of
+characters.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ RECALL_TIMEOUT_S = 2.0
 # Characters of a message read back for the block (a longer one is shown in part anyway).
 TEXT_CHARS = 20_000
 # The candidates ranked, at most: the scope's newest that match. A scope whose messages
-# match more than this many is ranked over its newest this many.
-MAX_CANDIDATES = 5_000
+# match more than this many is ranked over its newest this many (each candidate's vector is
+# read: this bounds a recall's time for a user with a very long history).
+MAX_CANDIDATES = 2_000
 BM25_K1 = 1.2
 BM25_B = 0.75
 # How often a database whose stemmed index is not valid yet is asked again.
@@ -72,9 +75,9 @@ SELECT f.id, f.session_id,
 FROM found AS f, q, LATERAL (
     SELECT coalesce(sum(coalesce(array_length(u.positions, 1), 1))
                     FILTER (WHERE 'D' = ANY(u.weights)), 0) AS length,
-           coalesce(array_agg(u.lexeme) FILTER (WHERE u.lexeme = ANY(q.lexemes)), '{{}}')
-               AS lexemes,
-           coalesce(array_agg(coalesce(array_length(u.positions, 1), 1))
+           coalesce(array_agg(u.lexeme ORDER BY u.lexeme)
+                    FILTER (WHERE u.lexeme = ANY(q.lexemes)), '{{}}') AS lexemes,
+           coalesce(array_agg(coalesce(array_length(u.positions, 1), 1) ORDER BY u.lexeme)
                     FILTER (WHERE u.lexeme = ANY(q.lexemes)), '{{}}') AS counts
     FROM unnest(f.vec) AS u) AS w
 """
