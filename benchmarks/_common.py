@@ -30,6 +30,7 @@ from pathlib import Path
 import structlog
 
 from hermes_async_memory.store import SqliteStore
+from hermes_async_memory.store.batch import SESSION_COLUMNS, SESSION_CONFLICT
 from hermes_async_memory.turns import scope_tokens
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -343,19 +344,9 @@ class Corpus:
 # executemany: the session rows with every column the commit's upsert sets, the messages,
 # their word index, their tool index (none here: no tool calls), the message-id high mark,
 # and the outbox keys marked done.
-RAW_SESSION = """
-INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
-                      message_count, tool_call_count, input_tokens, output_tokens)
-VALUES (?, 'api', ?, NULL, NULL, ?, ?, ?, 0, 0, 0)
-ON CONFLICT (id) DO UPDATE SET
-    updated_at = excluded.updated_at,
-    user_id = coalesce(sessions.user_id, excluded.user_id),
-    model = coalesce(excluded.model, sessions.model),
-    parent_session_id = coalesce(sessions.parent_session_id, excluded.parent_session_id),
-    message_count = sessions.message_count + excluded.message_count,
-    tool_call_count = sessions.tool_call_count + excluded.tool_call_count,
-    input_tokens = sessions.input_tokens + excluded.input_tokens,
-    output_tokens = sessions.output_tokens + excluded.output_tokens
+RAW_SESSION = f"""
+INSERT INTO {SESSION_COLUMNS}
+VALUES (?, 'api', ?, NULL, NULL, ?, ?, ?, 0, 0, 0){SESSION_CONFLICT}
 """
 RAW_MESSAGE = """
 INSERT INTO messages (session_id, turn_key, ordinal, role, content, timestamp, user_id, scope)

@@ -36,13 +36,10 @@ _ROWS = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"))
 # share as it is built (Batch.add, a few dict operations a turn on the loop) and hands SQLite
 # one small JSON row per session: summing them in SQL from the inserted messages, with their
 # metadata read back through json_extract, cost the writer thread ~4 µs a turn.
-UPSERT_SESSIONS = """
-INSERT INTO sessions (id, source, user_id, model, parent_session_id, started_at, updated_at,
-                      message_count, tool_call_count, input_tokens, output_tokens)
-SELECT r.value ->> 0, coalesce(r.value ->> 1, {source}), r.value ->> 2, r.value ->> 3,
-       r.value ->> 4, r.value ->> 5, {now}, r.value ->> 6, r.value ->> 7, r.value ->> 8,
-       r.value ->> 9
-FROM json_each({rows}) AS r WHERE true
+SESSION_COLUMNS = """sessions (id, source, user_id, model, parent_session_id, started_at,
+    updated_at, message_count, tool_call_count, input_tokens, output_tokens)"""
+# What a commit does to a session it has seen before (also the benchmarks' raw baseline).
+SESSION_CONFLICT = """
 ON CONFLICT (id) DO UPDATE SET
     updated_at = excluded.updated_at,
     user_id = coalesce(sessions.user_id, excluded.user_id),
@@ -51,7 +48,13 @@ ON CONFLICT (id) DO UPDATE SET
     message_count = sessions.message_count + excluded.message_count,
     tool_call_count = sessions.tool_call_count + excluded.tool_call_count,
     input_tokens = sessions.input_tokens + excluded.input_tokens,
-    output_tokens = sessions.output_tokens + excluded.output_tokens;
+    output_tokens = sessions.output_tokens + excluded.output_tokens"""
+UPSERT_SESSIONS = f"""
+INSERT INTO {SESSION_COLUMNS}
+SELECT r.value ->> 0, coalesce(r.value ->> 1, {{source}}), r.value ->> 2, r.value ->> 3,
+       r.value ->> 4, r.value ->> 5, {{now}}, r.value ->> 6, r.value ->> 7, r.value ->> 8,
+       r.value ->> 9
+FROM json_each({{rows}}) AS r WHERE true{SESSION_CONFLICT};
 """
 # Every message of every turn in the batch, in batch order then message order, under the ids
 # its record took when it was accepted (``message_ids``). Each turn's JSON is taken from the
