@@ -102,8 +102,9 @@ class RecallCache:
     # -- reads (any thread) ------------------------------------------------------------
 
     def cached(self, user_id: object, session_id: object) -> str | None:
-        """The block of a cached (user, session), or None when it has no entry (nothing
-        counted). Entries exist only for ids that were checked, so a hit needs no check.
+        """The block of a cached (user, session) (rendered now if a commit changed it;
+        counted as a hit), or None when it has no entry (not counted: see ``get``). Entries
+        exist only for ids that were checked, so a hit needs no check.
 
         Raises:
             TypeError: an id is not hashable (so not an id).
@@ -112,17 +113,6 @@ class RecallCache:
         if entry is None:
             return None
         rendered = entry.rendered
-        if rendered is None or rendered[0] != entry.version:
-            return None  # rendered by get(), which counts it
-        self.hits += 1
-        return rendered[1]
-
-    def get(self, user_id: str | None, session_id: str) -> str:
-        entry = self._entries.get((user_id, session_id))
-        if entry is None:
-            self.misses += 1
-            return ""
-        rendered = entry.rendered
         version = entry.version
         if rendered is None or rendered[0] != version:
             text = self._render(entry)
@@ -130,6 +120,14 @@ class RecallCache:
         else:
             text = rendered[1]
         self.hits += 1
+        return text
+
+    def get(self, user_id: str | None, session_id: str) -> str:
+        """The (user, session)'s block, or "" (counted as a miss)."""
+        text = self.cached(user_id, session_id)
+        if text is None:
+            self.misses += 1
+            return ""
         return text
 
     def status(self, user_id: str | None, session_id: str) -> PrefetchStatus:
