@@ -18,18 +18,22 @@ from collections.abc import Sequence
 from .message_ids import MessageIds
 from .slices import CHUNK, maybe_yield
 from .store import Batch, SqliteStore
+from .store.tool_log import ToolLogConfig
 from .turns import Turn
 from .writer import Unreadable
 
 
-async def build_batch(turns: Sequence[Turn], source: str, ids: MessageIds | None = None
-                      ) -> Batch:
-    """A batch's parameters, built a chunk at a time so the loop keeps running."""
-    batch = Batch(source, ids)
+async def build_batch(turns: Sequence[Turn], source: str, ids: MessageIds | None = None,
+                      tool_log: ToolLogConfig | None = None) -> Batch:
+    """A batch's parameters, built a chunk at a time so the loop keeps running (the tool
+    answers judged too, with ``tool_log``'s rules)."""
+    batch = Batch(source, ids, tool_log.rules if tool_log is not None else None)
     for i in range(0, len(turns), CHUNK):
         if i:
             await maybe_yield()
         batch.add(turns[i : i + CHUNK])
+    for _ in batch.judge(CHUNK):
+        await maybe_yield()
     for _ in batch.seal(CHUNK):
         await maybe_yield()
     return batch
@@ -45,7 +49,8 @@ class StoreSink:
         self._transactions = transactions or asyncio.Lock()
 
     async def commit(self, turns: Sequence[Turn], lease_owner: str | None) -> int:
-        batch = await build_batch(turns, self._store.source, self._store.ids)
+        batch = await build_batch(turns, self._store.source, self._store.ids,
+                                  self._store.tool_log)
         if lease_owner is not None:  # inbox turns: they leave the inbox in the same transaction
             batch.inbox_ids = [t.seq for t in turns]
             batch.lease_owner = lease_owner

@@ -105,6 +105,9 @@ class Turn(NamedTuple):
     kind: str = "turn"
     # The store id of its first message (the others follow); None until one is given.
     first_id: int | None = None
+    # Its tool answers (``tool`` messages with a call id): (ordinal, content), for the tool
+    # log, which judges them on the loop as the batch is built (``store.Batch``).
+    answers: tuple[tuple[int, str | None], ...] = ()
 
     @classmethod
     def build(
@@ -176,7 +179,9 @@ class Turn(NamedTuple):
     ) -> Turn:
         user = assistant = ""
         tool_calls = 0
-        for m in messages:  # one pass: the first user text, the last non-empty assistant text
+        answers: list[tuple[int, str | None]] = []
+        # One pass: the first user text, the last non-empty assistant text, the tool answers.
+        for i, m in enumerate(messages):
             role = m[0]
             if role == "assistant":
                 if m[1]:
@@ -184,6 +189,8 @@ class Turn(NamedTuple):
             elif role == "user":
                 if not user and m[1]:
                     user = m[1]
+            elif role == "tool" and m[3] is not None:
+                answers.append((i, m[1]))
             if m[2]:  # an assistant's calls, as JSON text: counted as Hermes counts them
                 tool_calls += _n_calls(m[2])
         if metadata and isinstance(metadata, Mapping):
@@ -201,7 +208,7 @@ class Turn(NamedTuple):
             tool_calls, user[:_TEXT_KEPT] if len(user) > _TEXT_KEPT else user,
             assistant[:_TEXT_KEPT] if len(assistant) > _TEXT_KEPT else assistant,
             source, model, parent, tokens_in, tokens_out,
-            "\\u0000" in payload, TURN, first_id,
+            "\\u0000" in payload, TURN, first_id, tuple(answers),
         ))
 
     @classmethod
@@ -218,7 +225,7 @@ class Turn(NamedTuple):
             lane, kind, user = op.session_id, OP_SESSION, op.user_id
         return tuple.__new__(cls, (
             op.record_key, seq, lane, user, op.accepted_at, payload, len(payload),
-            segment, 0, 0, "", "", None, None, None, 0, 0, False, kind, None))
+            segment, 0, 0, "", "", None, None, None, 0, 0, False, kind, None, ()))
 
     def encode(self) -> bytes:
         """The outbox record (ASCII JSON)."""
@@ -250,7 +257,7 @@ class Turn(NamedTuple):
              accepted_at: float = 0.0) -> Turn:
         """A turn that holds only where it came from: for a record that does not decode."""
         return tuple.__new__(cls, (key, seq, session_id, None, accepted_at, "", 0, segment, 0,
-                                   0, "", "", None, None, None, 0, 0, False, TURN, None))
+                                   0, "", "", None, None, None, 0, 0, False, TURN, None, ()))
 
 
 def with_first_id(payload: str, first_id: int) -> str:

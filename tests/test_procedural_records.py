@@ -342,3 +342,37 @@ async def test_a_version_10_stores_log_gets_its_awaiting_column_at_open(
         append_each(mem, "s", [answer("z1", {"content": "x"})], "ann")
         await mem.flush()
         assert [c.call_id for c in await mem.procedural.search("ann")] == ["z1", "a1"]
+
+
+async def test_answers_found_in_the_store_and_the_batchs_own_are_each_judged_as_theirs(
+        tmp_path: Path) -> None:
+    """A batch judges its own answers as it is built; an answer it finds in the store (one an
+    earlier commit stored without settling its call) is judged in the transaction. Both in one
+    commit: each call gets its own answer's outcome."""
+    db = tmp_path / "m.db"
+    async with MemoryPipeline(Settings(db_path=db, max_wait_ms=0)) as mem:
+        append_each(mem, "s", [user("open it"),
+                               calling(call("w1", "read_file", path="src/mian.py"))], "ann")
+        await mem.flush()
+        # A commit that wrongly believes no call awaits its answer stores the answer and
+        # settles nothing (a commit that told it so, then rolled back, leaves it so).
+        awaiting = mem.store.tool_log.awaiting  # type: ignore[union-attr]
+        awaiting.possible = False
+        append_each(mem, "s", [answer("w1", FAILED)], "ann")
+        await mem.flush()
+        assert rows(db)["w1"][:2] == (1, 1)  # still awaiting
+        awaiting.possible = True
+        mem.sync_turn("", "", session_id="s", user_id="ann", messages=[
+            user("try the tests"),
+            calling(call("b1", "terminal", command="pytest"),
+                    call("b2", "terminal", command="ls")),
+            answer("b1", {"output": "", "exit_code": 2}),
+            answer("b2", {"output": "a b", "exit_code": 0, "duration_ms": 7}),
+            reply()])
+        await mem.flush()
+    got = logged(db)  # (tool, arguments, result, ok, awaiting, type, message, ms, goal, ...)
+    assert {cid: got[("s", cid)][3:8] for cid in ("w1", "b1", "b2")} == {
+        "w1": (0, 0, "FileNotFoundError", FAILED["error"], 12.0),
+        "b1": (0, 0, "exit_code", "exit code 2", None),
+        "b2": (1, 0, None, None, 7.0),
+    }

@@ -29,10 +29,12 @@ batches. So:
   stays awaiting (it counts towards its user's bound, and is trimmed with the oldest).
 - **Goal**: the call's record's first user message, else the session's last one before it.
 
-The answers are judged a success or a failure by ``hm_tool_outcomes``, a function the writer
-connection registers with the configured ``OutcomeRules`` (``procedural.extract.judge``),
-called once per batch with every answer of the batch; it never raises, so no tool answer can
-fail its batch.
+The answers are judged a success or a failure by the configured ``OutcomeRules``
+(``procedural.extract.judge``): a writer's batch judges its turns' own answers on the event
+loop as it is built (``Batch``), and hands the outcomes to its transaction; the answers a
+commit finds in the store (a late answer, a call settled by a later record) are judged by
+``hm_tool_outcomes``, a function the writer connection registers, called once per batch with
+all of them. Neither raises, so no tool answer can fail its batch.
 
 In the same transaction: a success that follows a failure of the same tool (same user; same
 session for a turn without a user) within the fix window, with other arguments, is recorded as
@@ -80,19 +82,23 @@ CREATE INDEX IF NOT EXISTS idx_tool_calls_awaiting
 # depended on the planner choosing automatic indexes, and looked up by session, an answer scan
 # covered a session's whole share of the batch per call (quadratic when a batch holds many
 # turns of few sessions). An answer is found by (session, call id, the first id after the
-# call's message). The answers are judged in ONE call of the outcome function per batch (all
-# of them as a JSON array): called per row, each call took the GIL back from a busy event
-# loop, which holds it up to the switch interval (5 ms), and a batch of 2,000 turns with five
-# calls each took minutes. tool_settled holds the awaiting calls a commit settles (answer:
-# its message id, NULL: never answered), tool_refix the successes whose fixes are marked
-# again.
+# call's message). tool_answer_outcomes holds the outcome of each answer that is not a plain
+# success, by the answer's message id. A writer's batch brings those of its own answers,
+# judged on the event loop as the batch was built (``Batch``: ~0.1 ms a turn of five calls
+# off the writer's thread, which is the log's bottleneck). The answers found in the store
+# (and all of them where no batch judged them: a backfill, an import) are judged in ONE call
+# of the outcome function (all of them as a JSON array, ``judge`` = 1): called per row, each
+# call took the GIL back from a busy event loop, which holds it up to the switch interval
+# (5 ms), and a batch of 2,000 turns with five calls each took minutes. tool_settled holds
+# the awaiting calls a commit settles (answer: its message id, NULL: never answered),
+# tool_refix the successes whose fixes are marked again.
 TEMP_TABLES = """
 CREATE TEMP TABLE IF NOT EXISTS tool_answers (
     i INTEGER PRIMARY KEY, session_id TEXT NOT NULL, tool_call_id TEXT NOT NULL,
-    id INTEGER NOT NULL, turn_key TEXT NOT NULL, content TEXT);
+    id INTEGER NOT NULL, turn_key TEXT NOT NULL, content TEXT, judge INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS temp.tool_answers_call
     ON tool_answers(session_id, tool_call_id, id);
-CREATE TEMP TABLE IF NOT EXISTS tool_outcomes (i INTEGER PRIMARY KEY, o TEXT NOT NULL);
+CREATE TEMP TABLE IF NOT EXISTS tool_answer_outcomes (id INTEGER PRIMARY KEY, o TEXT NOT NULL);
 CREATE TEMP TABLE IF NOT EXISTS tool_goals (turn_key TEXT PRIMARY KEY, goal TEXT);
 CREATE TEMP TABLE IF NOT EXISTS tool_settled (
     id INTEGER PRIMARY KEY, answer INTEGER, session_id TEXT NOT NULL, call_id TEXT NOT NULL);
@@ -132,27 +138,37 @@ WHERE session_id = {session} AND awaiting = 1;
 # (not the batch's: those are in already). The function is not called without any.
 ANSWERS = """
 DELETE FROM temp.tool_answers;
-DELETE FROM temp.tool_outcomes;
+DELETE FROM temp.tool_answer_outcomes;
 """
+# judge: 0 where the batch brings its answers' outcomes ({judged}), else 1.
 BATCH_ANSWERS = """
-INSERT INTO temp.tool_answers (session_id, tool_call_id, id, turn_key, content)
-SELECT t.session_id, t.tool_call_id, t.id, t.turn_key, t.content FROM messages AS t
+INSERT INTO temp.tool_answers (session_id, tool_call_id, id, turn_key, content, judge)
+SELECT t.session_id, t.tool_call_id, t.id, t.turn_key, t.content, {judge} FROM messages AS t
 WHERE {t_new} AND t.role = 'tool' AND t.tool_call_id IS NOT NULL
 ORDER BY t.id;
 """
 FOUND_ANSWERS = """
-INSERT INTO temp.tool_answers (session_id, tool_call_id, id, turn_key, content)
-SELECT t.session_id, t.tool_call_id, t.id, t.turn_key, t.content FROM messages AS t
+INSERT INTO temp.tool_answers (session_id, tool_call_id, id, turn_key, content, judge)
+SELECT t.session_id, t.tool_call_id, t.id, t.turn_key, t.content, 1 FROM messages AS t
 WHERE t.id IN (SELECT answer FROM temp.tool_settled) AND NOT {t_new}
 ORDER BY t.id;
 """
+# The outcomes a batch brings: a JSON array of [answer's message id, outcome].
+JUDGED = """
+INSERT INTO temp.tool_answer_outcomes (id, o)
+SELECT e.value ->> 0, e.value -> 1 FROM json_each({judged}) AS e;
+"""
+# The answers to judge here come last (after the batch's, whose ``i`` come first), so the
+# k-th of the function's outcomes is the answer at the first such ``i`` plus k.
 JUDGE = """
-INSERT INTO temp.tool_outcomes (i, o)
-SELECT e.key + 1, e.value
-FROM json_each(CASE WHEN EXISTS (SELECT 1 FROM temp.tool_answers)
+INSERT INTO temp.tool_answer_outcomes (id, o)
+SELECT a.id, e.value
+FROM json_each(CASE WHEN EXISTS (SELECT 1 FROM temp.tool_answers WHERE judge)
                     THEN hm_tool_outcomes((SELECT json_group_array(content)
                                            FROM (SELECT content FROM temp.tool_answers
-                                                 ORDER BY i))) END) AS e
+                                                 WHERE judge ORDER BY i))) END) AS e
+JOIN temp.tool_answers AS a
+    ON a.i = (SELECT min(i) FROM temp.tool_answers WHERE judge) + e.key
 WHERE e.type = 'array';
 """
 # The batch's calls, each settled as far as the batch can: with the first answer after it in
@@ -215,7 +231,7 @@ FROM (
         WHERE f.session_id = c.session_id AND f.tool_call_id = c.call_id
           AND f.id > c.message_id
         ORDER BY f.id LIMIT 1)
-    LEFT JOIN temp.tool_outcomes AS x ON x.i = a.i
+    LEFT JOIN temp.tool_answer_outcomes AS x ON x.id = a.id
     LEFT JOIN temp.tool_goals AS g ON g.turn_key = c.turn_key
     -- OFFSET 0: not flattened into the outer query, which would copy closed (its subquery)
     -- into each column that reads it, each compiled (~0.1 ms a batch) and run again.
@@ -231,7 +247,7 @@ WITH v AS MATERIALIZED (
     SELECT s.id, s.answer, a.content, x.o FROM temp.tool_settled AS s
     LEFT JOIN temp.tool_answers AS a ON a.session_id = s.session_id
         AND a.tool_call_id = s.call_id AND a.id = s.answer
-    LEFT JOIN temp.tool_outcomes AS x ON x.i = a.i)
+    LEFT JOIN temp.tool_answer_outcomes AS x ON x.id = a.id)
 UPDATE tool_calls SET awaiting = 0,
     result = coalesce(substr(v.content, 1, 500), ''),
     ok = CASE WHEN v.answer IS NULL THEN 0 WHEN v.o IS NULL THEN 1 ELSE v.o ->> 0 END,
@@ -362,17 +378,20 @@ async def prepare(db: aiosqlite.Connection, config: ToolLogConfig | None) -> Non
 
 
 def log_statements(config: ToolLogConfig, mine: Callable[[str], str], *,
-                   sessions: Callable[[], str], calls: bool = True) -> list[str]:
+                   sessions: Callable[[], str], calls: bool = True,
+                   judged: str | None = None) -> list[str]:
     """The statements that log a batch's tool calls, and settle its sessions' calls awaiting
     their answer, given ``mine(column)``: the SQL condition that ``column`` is the id of one
     of the batch's messages; ``sessions()``: the batch's sessions, as an SQL literal of a JSON
     array whose items are arrays led by a session id (``Batch.session_rows``). ``calls``:
     some message of the batch has tool calls (else nothing is logged, only settled; nothing
-    at all while no call awaits its answer)."""
+    at all while no call awaits its answer). ``judged``: the outcomes of the batch's own
+    answers, judged as it was built (an SQL literal of a JSON array of [message id,
+    ``outcome_row``], plain successes left out); None: the function judges them here."""
     return _statements(
         config, lambda alias: mine(f"{alias}.id"), lambda col: mine(f"{col}message_id"),
         sessions=lambda: f"SELECT s.value ->> 0 AS sid FROM json_each({sessions()}) AS s",
-        calls=calls)
+        calls=calls, judged=judged)
 
 
 def range_log_statements(config: ToolLogConfig, after: int, upto: int) -> list[str]:
@@ -412,12 +431,12 @@ def end_statements(config: ToolLogConfig, session_literal: str) -> list[str]:
 
 def _statements(config: ToolLogConfig, messages: Callable[[str], str],
                 new: Callable[[str], str], *, sessions: Callable[[], str], calls: bool = True,
-                settle: bool | None = None) -> list[str]:
+                settle: bool | None = None, judged: str | None = None) -> list[str]:
     """``messages(alias)``: the SQL condition on the messages to log; ``new(prefix)``: the
     same on the log's rows (their ``message_id`` or ``session_id``, after ``prefix``);
     ``sessions()``: a SELECT of their sessions' ids (``sid``); ``settle``: whether to settle
     the calls awaiting an answer that earlier commits logged (default: if the store may hold
-    one)."""
+    one); ``judged``: as ``log_statements``."""
     if settle is None:
         settle = config.awaiting.possible
     if not calls and not settle:
@@ -427,10 +446,14 @@ def _statements(config: ToolLogConfig, messages: Callable[[str], str],
     script = [SETTLE.format(sessions=sessions(), closing=_CLOSING)] if settle else []
     script.append(ANSWERS)
     if calls:
-        script.append(BATCH_ANSWERS.format(t_new=messages("t")))
+        script.append(BATCH_ANSWERS.format(t_new=messages("t"),
+                                           judge=1 if judged is None else 0))
+        if judged is not None and judged != "'[]'":
+            script.append(JUDGED.format(judged=judged))
     if settle:
         script.append(FOUND_ANSWERS.format(t_new=messages("t") if calls else "0"))
-    script.append(JUDGE)
+    if settle or judged is None:
+        script.append(JUDGE)
     if calls:
         script.append(INSERT_CALLS.format(
             m_new=messages("m"), g_new=messages("g"), closing=_CLOSING, no_id=_NO_ID,
@@ -467,18 +490,25 @@ def outcome_function(rules: OutcomeRules) -> Any:
         except ValueError:
             log.error("tool_outcomes_unreadable", exc_info=True)
             return "[]"
-        out = []
-        for content in contents if isinstance(contents, list) else []:
-            try:
-                o = judge(content if content is not None else "", rules)
-                out.append(None if o.ok and o.duration_ms is None else
-                           [int(o.ok), o.error_type, o.error_message, o.duration_ms])
-            except Exception:  # a bug in a rule must not fail the turns' commit
-                log.error("tool_outcome_failed", exc_info=True)
-                out.append(None)
-        return json.dumps(out)
+        return json.dumps([outcome_row(content, rules)
+                           for content in (contents if isinstance(contents, list) else [])])
 
     return hm_tool_outcomes
+
+
+def outcome_row(content: str | None, rules: OutcomeRules
+                ) -> list[Any] | None:
+    """A tool answer's outcome as the log's statements read it: ``[ok, error_type,
+    error_message, duration_ms]``, or None for a success with no duration (most answers).
+    Never raises: an answer a rule fails on is a success, logged."""
+    try:
+        o = judge(content if content is not None else "", rules)
+    except Exception:  # a bug in a rule must not fail the turns' commit
+        log.error("tool_outcome_failed", exc_info=True)
+        return None
+    if o.ok and o.duration_ms is None:
+        return None
+    return [int(o.ok), o.error_type, o.error_message, o.duration_ms]
 
 
 class CallRow(NamedTuple):
