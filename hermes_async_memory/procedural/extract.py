@@ -23,7 +23,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 RESULT_CHARS = 500  # of the tool's answer kept as the result summary
 GOAL_CHARS = 500
@@ -47,6 +47,13 @@ class OutcomeRules:
         r"(?m)^(?:Traceback \(most recent call last\)|(?:[\w.]*\.)?"
         r"(?P<type>[A-Z]\w*(?:Error|Exception)):)")
 
+    @functools.cached_property
+    def keys(self) -> frozenset[str]:
+        """Every key a rule reads: an answer's object holding none of them is judged by the
+        exception pattern alone."""
+        return frozenset((*self.status_keys, *self.error_keys, *self.exit_code_keys,
+                          *self.duration_ms_keys, *self.duration_s_keys))
+
 
 _DEFAULT_PATTERN = OutcomeRules.exception_pattern
 # The default pattern cannot match a text without one of these (a substring test is ~20x
@@ -55,8 +62,10 @@ _DEFAULT_PATTERN_NEEDS = ("Error", "Exception", "Traceback")
 _compiled = functools.lru_cache(maxsize=32)(re.compile)
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
+    """A tool answer judged (a named tuple: a frozen dataclass cost ~2 µs to build, and the
+    writer judges every answer of every batch)."""
+
     ok: bool
     error_type: str | None = None
     error_message: str | None = None
@@ -84,8 +93,10 @@ def judge(content: Any, rules: OutcomeRules = OutcomeRules()) -> Outcome:
     """Success or failure of a tool's answer, by ``rules``."""
     text = content if isinstance(content, str) else json.dumps(content, default=str)
     doc = _as_object(content)
-    duration = _duration_ms(doc, rules) if doc is not None else None
-    if doc is not None:
+    # No key a rule reads: only the pattern below can judge it (most answers; ~3 µs saved).
+    duration = None
+    if doc is not None and not rules.keys.isdisjoint(doc):
+        duration = _duration_ms(doc, rules)
         for k in rules.status_keys:
             if k in doc and isinstance(doc[k], (str, bool)):
                 word = str(doc[k]).strip().lower()
