@@ -154,6 +154,14 @@ async def test_text_a_column_cannot_hold_is_kept_and_indexed_as_a_copy(
     (None, [{"role": "user", "content": "x", 3: "int key"}], "key that is not a string"),
     (None, [{"role": "user", "content": object()}], "not JSON-serialisable"),
     (None, [{"role": "assistant", "tool_calls": [{1: "x"}]}], "key that is not a string"),
+    # Not the first key of its object: written after ", " (json.dumps's separator).
+    (None, [{"role": "assistant", "tool_calls": [{"id": "c1", 1: "x", "1": "y"}]}],
+     "key that is not a string"),
+    (None, [{"role": "assistant", "tool_calls": [
+        {"id": "c1", "function": {"name": "f", None: "x", True: "y"}}]}],
+     "key that is not a string"),
+    (None, [{"role": "tool", "content": "x", "name": "t", "extra": {2: "b"}}],
+     "key that is not a string"),
     (None, "not a list", "must be a list"),
 ])
 async def test_what_json_cannot_hold_as_given_is_refused_before_it_is_acknowledged(
