@@ -223,6 +223,8 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
                            procedural=s.procedural_context if s.tool_log else None,
                            clock=p.clock)
     source = OutboxSource(outbox, p.barrier)
+    if commits and store.tool_log is not None:
+        source.tool_rules = store.tool_log.rules
     inbox = (InboxSource(store, lease_owner(key_prefix), s.lease_s, p.clock)
              if role == "worker" else None)
     sources: list[Source] = [source] if inbox is None else [source, inbox]

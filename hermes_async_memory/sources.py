@@ -17,7 +17,9 @@ from collections.abc import Sequence
 from .barrier import CommitBarrier
 from .errors import describe
 from .outbox import Outbox, Record
+from .procedural.extract import OutcomeRules
 from .slices import CHUNK, maybe_yield
+from .store.tool_log import outcome_row
 from .turns import Turn
 from .writer import Unreadable, Work
 
@@ -32,6 +34,9 @@ class OutboxSource:
     name = "outbox"
     polls = False
     lease_owner: str | None = None
+    # The tool log's rules, when the store logs tool calls: a batch read ahead has its tool
+    # answers judged too (else the batch judges them as it is built, before its commit).
+    tool_rules: OutcomeRules | None = None
 
     def __init__(self, outbox: Outbox, barrier: CommitBarrier) -> None:
         self.outbox = outbox
@@ -87,6 +92,8 @@ class OutboxSource:
             return
         await self._read(self._ahead, 0, max_turns, max_bytes)
         await decode_all(self._ahead, self._ahead_items)
+        if self.tool_rules is not None:  # the tool log's judging, off the commit's path too
+            await judge_all(self._ahead_items, self.tool_rules)
 
     async def _read(self, into: list[Record] | deque[Record], start: int, max_turns: int,
                     max_bytes: int) -> None:
@@ -140,6 +147,18 @@ async def decode_all(records: Sequence[Record], items: list[Turn | Unreadable]
         if i % CHUNK == CHUNK - 1:
             await maybe_yield()
     return items
+
+
+async def judge_all(items: list[Turn | Unreadable], rules: OutcomeRules) -> None:
+    """Judge the tool answers of the turns in ``items`` (in place), ``CHUNK`` answers a step."""
+    judged = 0
+    for i, item in enumerate(items):
+        if isinstance(item, Turn) and item.answers:
+            items[i] = item.with_outcomes(lambda content: outcome_row(content, rules))
+            judged += len(item.answers)
+            if judged >= CHUNK:
+                judged = 0
+                await maybe_yield()
 
 
 def decode(record: Record) -> Turn | Unreadable:

@@ -56,6 +56,7 @@ ID_SLOT = ID_DIGITS + 1  # from the end of the payload: the digits, then "}"
 NO_ID = b"null".rjust(ID_DIGITS)
 _DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":[%s],"d":%s,"i":' + "null".rjust(ID_DIGITS) + "}"
 _ABSENT: Any = object()
+UNJUDGED: Any = object()  # a tool answer's outcome before the writer judged it (Turn.answers)
 
 
 class Receipt(NamedTuple):
@@ -104,9 +105,10 @@ class Turn(NamedTuple):
     kind: str = "turn"
     # The store id of its first message (the others follow); None until one is given.
     first_id: int | None = None
-    # Its tool answers (``tool`` messages with a call id): (ordinal, content), for the tool
-    # log, which judges them on the loop as the batch is built (``store.Batch``).
-    answers: tuple[tuple[int, str | None], ...] = ()
+    # Its tool answers (``tool`` messages with a call id): (ordinal, content, outcome), for
+    # the tool log, which judges them on the loop: the outcome is ``UNJUDGED`` until the
+    # writer's read-ahead judges them (``with_outcomes``), else the batch does as it is built.
+    answers: tuple[tuple[int, str | None, Any], ...] = ()
 
     @classmethod
     def build(
@@ -178,7 +180,7 @@ class Turn(NamedTuple):
     ) -> Turn:
         user = assistant = ""
         tool_calls = 0
-        answers: list[tuple[int, str | None]] = []
+        answers: list[tuple[int, str | None, Any]] = []
         # One pass: the first user text, the last non-empty assistant text, the tool answers.
         for i, m in enumerate(messages):
             role = m[0]
@@ -189,7 +191,7 @@ class Turn(NamedTuple):
                 if not user and m[1]:
                     user = m[1]
             elif role == "tool" and m[3] is not None:
-                answers.append((i, m[1]))
+                answers.append((i, m[1], UNJUDGED))
             if m[2]:  # an assistant's calls, as JSON text: counted as Hermes counts them
                 tool_calls += _n_calls(m[2])
         if metadata and isinstance(metadata, Mapping):
@@ -241,6 +243,11 @@ class Turn(NamedTuple):
         if type(md) is str:
             md = json.loads(md)
         return md if isinstance(md, dict) else None
+
+    def with_outcomes(self, judge: Callable[[str | None], Any]) -> Turn:
+        """This turn with each tool answer's outcome, ``judge(content)``."""
+        return self._replace(answers=tuple([(i, content, judge(content))
+                                            for i, content, _ in self.answers]))
 
     def with_seq(self, seq: int) -> Turn:
         return self._replace(seq=seq)

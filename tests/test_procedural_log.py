@@ -340,3 +340,35 @@ async def test_a_version_4_stores_calls_are_logged_and_counted_at_open(
         assert len(await mem.procedural.search("ann", limit=50)) == 8
     assert sqlite3.connect(db).execute("SELECT version FROM schema_version").fetchone() == (
         schema.SCHEMA_VERSION,)
+
+
+async def test_a_backlog_read_ahead_is_judged_as_a_single_turn_is(tmp_path: Path) -> None:
+    """The writer judges the tool answers of the batch it reads ahead while the last one
+    commits, and a batch judges what was not: every call of a long backlog, in many
+    batches, gets the outcome its answer gets alone."""
+    answers = [{"output": "ok", "exit_code": 0}, {"error": "PermissionError: denied"},
+               {"output": "", "exit_code": 3, "duration_ms": 5}, "Traceback (most recent "
+               "call last):\n  ...\nKeyError: 'x'", {"status": "timeout"}, "plain text"]
+    turns = []
+    for n in range(300):
+        calls = [call(f"c{n}-{k}", "terminal", command=f"run {n} {k}") for k in range(3)]
+        turns.append(turn(f"goal {n}", calls, {
+            f"c{n}-{k}": answers[(n + k) % len(answers)] for k in range(3)}))
+    db = tmp_path / "m.db"
+    async with MemoryPipeline(Settings(db_path=db, max_batch=40, max_wait_ms=0)) as mem:
+        for msgs in turns:  # accepted before the writer runs: a backlog of many batches
+            mem.sync_turn(msgs[0]["content"], msgs[-1]["content"], session_id="s1",
+                          user_id="ann", messages=msgs)
+        await mem.flush()
+        assert mem.stats().batches_committed >= 300 // 40
+    with sqlite3.connect(db) as conn:
+        got = {r[0]: tuple(r[1:]) for r in conn.execute(
+            "SELECT call_id, ok, error_type, error_message, duration_ms FROM tool_calls")}
+    want = {}
+    for msgs in turns:
+        for m in msgs:
+            if m["role"] == "tool":
+                o = judge(m["content"])
+                want[m["tool_call_id"]] = (int(o.ok), o.error_type, o.error_message,
+                                           o.duration_ms)
+    assert len(got) == 900 and got == want

@@ -15,7 +15,7 @@ from typing import Any
 from ..message_ids import MessageIds
 from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE
 from ..procedural.extract import OutcomeRules
-from ..turns import TURN, Turn, store_rows
+from ..turns import TURN, UNJUDGED, Turn, store_rows
 from .lifecycle import session_statements
 from .memories import op_statements, ops_done, replica_statement
 from .sql import ID_HIGH, sql_literal
@@ -200,7 +200,11 @@ class Batch:
             first = t.first_id
             assert first is not None  # given above
             if t.answers and rules is not None:
-                answers.extend([(first + ordinal, content) for ordinal, content in t.answers])
+                for ordinal, content, outcome in t.answers:
+                    if outcome is UNJUDGED:
+                        answers.append((first + ordinal, content))
+                    elif outcome is not None:
+                        self._judged.append([first + ordinal, outcome])
             span = (first, first + t.n_messages - 1)
             spans.append(span)
             if payload_has_cjk(t.payload):
