@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import cast
 
 from .message_ids import MessageIds
 from .slices import CHUNK, maybe_yield
+from .sources import judge_all
 from .store import Batch, SqliteStore
 from .store.tool_log import ToolLogConfig
 from .turns import Turn
@@ -25,15 +27,17 @@ from .writer import Unreadable
 
 async def build_batch(turns: Sequence[Turn], source: str, ids: MessageIds | None = None,
                       tool_log: ToolLogConfig | None = None) -> Batch:
-    """A batch's parameters, built a chunk at a time so the loop keeps running (the tool
-    answers judged too, with ``tool_log``'s rules)."""
-    batch = Batch(source, ids, tool_log.rules if tool_log is not None else None)
+    """A batch's parameters, built a chunk at a time so the loop keeps running; with a
+    ``tool_log``, its tool answers the read-ahead did not judge are judged first."""
+    if tool_log is not None:
+        items: list[Turn | Unreadable] = list(turns)
+        await judge_all(items, tool_log.rules)
+        turns = cast("list[Turn]", items)  # judge_all keeps each item's kind
+    batch = Batch(source, ids)
     for i in range(0, len(turns), CHUNK):
         if i:
             await maybe_yield()
         batch.add(turns[i : i + CHUNK])
-    for _ in batch.judge(CHUNK):
-        await maybe_yield()
     for _ in batch.seal(CHUNK):
         await maybe_yield()
     return batch

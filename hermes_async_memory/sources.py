@@ -20,7 +20,7 @@ from .outbox import Outbox, Record
 from .procedural.extract import OutcomeRules
 from .slices import CHUNK, maybe_yield
 from .store.tool_log import outcome_row
-from .turns import Turn
+from .turns import UNJUDGED, Turn
 from .writer import Unreadable, Work
 
 # The key and session of a record whose JSON does not parse, when its head is still whole.
@@ -150,10 +150,11 @@ async def decode_all(records: Sequence[Record], items: list[Turn | Unreadable]
 
 
 async def judge_all(items: list[Turn | Unreadable], rules: OutcomeRules) -> None:
-    """Judge the tool answers of the turns in ``items`` (in place), ``CHUNK`` answers a step."""
+    """Judge the tool answers of the turns in ``items`` not judged yet (in place), ``CHUNK``
+    answers a step: the tool log's outcomes, worked out on the loop (``Turn.answers``)."""
     judged = 0
     for i, item in enumerate(items):
-        if isinstance(item, Turn) and item.answers:
+        if isinstance(item, Turn) and item.answers and item.answers[0][2] is UNJUDGED:
             items[i] = item.with_outcomes(lambda content: outcome_row(content, rules))
             judged += len(item.answers)
             if judged >= CHUNK:

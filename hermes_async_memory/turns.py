@@ -106,8 +106,8 @@ class Turn(NamedTuple):
     # The store id of its first message (the others follow); None until one is given.
     first_id: int | None = None
     # Its tool answers (``tool`` messages with a call id): (ordinal, content, outcome), for
-    # the tool log, which judges them on the loop: the outcome is ``UNJUDGED`` until the
-    # writer's read-ahead judges them (``with_outcomes``), else the batch does as it is built.
+    # the tool log: the outcome is ``UNJUDGED`` until the writer judges them on the loop
+    # (``sources.judge_all``, ``with_outcomes``).
     answers: tuple[tuple[int, str | None, Any], ...] = ()
 
     @classmethod
@@ -180,9 +180,8 @@ class Turn(NamedTuple):
     ) -> Turn:
         user = assistant = ""
         tool_calls = 0
-        answers: list[tuple[int, str | None, Any]] = []
-        # One pass: the first user text, the last non-empty assistant text, the tool answers.
-        for i, m in enumerate(messages):
+        answered = False
+        for m in messages:  # one pass: the first user text, the last non-empty assistant text
             role = m[0]
             if role == "assistant":
                 if m[1]:
@@ -191,7 +190,7 @@ class Turn(NamedTuple):
                 if not user and m[1]:
                     user = m[1]
             elif role == "tool" and m[3] is not None:
-                answers.append((i, m[1], UNJUDGED))
+                answered = True
             if m[2]:  # an assistant's calls, as JSON text: counted as Hermes counts them
                 tool_calls += _n_calls(m[2])
         if metadata and isinstance(metadata, Mapping):
@@ -209,7 +208,7 @@ class Turn(NamedTuple):
             tool_calls, user[:_TEXT_KEPT] if len(user) > _TEXT_KEPT else user,
             assistant[:_TEXT_KEPT] if len(assistant) > _TEXT_KEPT else assistant,
             source, model, parent, tokens_in, tokens_out,
-            "\\u0000" in payload, TURN, first_id, tuple(answers),
+            "\\u0000" in payload, TURN, first_id, _answers(messages) if answered else (),
         ))
 
     @classmethod
@@ -264,6 +263,13 @@ class Turn(NamedTuple):
         """A turn that holds only where it came from: for a record that does not decode."""
         return tuple.__new__(cls, (key, seq, session_id, None, accepted_at, "", 0, segment, 0,
                                    0, "", "", None, None, None, 0, 0, False, TURN, None, ()))
+
+
+def _answers(messages: Sequence[Sequence[Any]]) -> tuple[tuple[int, str | None, Any], ...]:
+    """``Turn.answers``: the tool messages with a call id, unjudged (a plain turn has none,
+    and its decode builds nothing for them)."""
+    return tuple([(i, m[1], UNJUDGED) for i, m in enumerate(messages)
+                  if m[0] == "tool" and m[3] is not None])
 
 
 def with_first_id(payload: str, first_id: int) -> str:
@@ -604,8 +610,8 @@ def message_row(i: int, m: object, notes: list[int] | None = None) -> MessageRow
 
 def _fields_json(i: int, fields: dict[str, Any]) -> str:
     """A message's other keys as JSON text (compact, ASCII). Text values alone (a tool's
-    ``name``, ``reasoning``) are written by the C string encoder directly: the encoder object
-    costs ~2 µs a message to set up, and the values need no check."""
+    ``name``, ``reasoning``) need no check, and are written by the C string encoder directly,
+    without setting up an encoder object for each message."""
     if all([type(v) is str for v in fields.values()]):  # the keys are text (message_row)
         return "{" + ",".join([_esc(k) + ":" + _esc(v) for k, v in fields.items()]) + "}"
     check_json(f"messages[{i}]", fields)

@@ -14,7 +14,6 @@ from typing import Any
 
 from ..message_ids import MessageIds
 from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE
-from ..procedural.extract import OutcomeRules
 from ..turns import TURN, UNJUDGED, Turn, store_rows
 from .lifecycle import session_statements
 from .memories import op_statements, ops_done, replica_statement
@@ -27,7 +26,7 @@ from .text_index import (
     INDEX_WORDS,
     payload_has_cjk,
 )
-from .tool_log import ToolLogConfig, log_statements, outcome_row
+from .tool_log import ToolLogConfig, log_statements
 
 # A big token count is written as an integer and read back by SQLite as a real, as the old
 # summing in SQL did on overflow; NaN cannot occur (counts are integers).
@@ -112,15 +111,13 @@ class Batch:
     parameter is a string join.
     """
 
-    def __init__(self, source: str, ids: MessageIds | None = None,
-                 rules: OutcomeRules | None = None) -> None:
+    def __init__(self, source: str, ids: MessageIds | None = None) -> None:
         self.source = source
-        # The tool log's rules: the batch judges its turns' tool answers (``judge``, on the
-        # loop a chunk at a time), not the writer's thread in the transaction.
-        self._rules = rules
-        self._answers: list[tuple[int, str | None]] = []  # (message id, content), to judge
-        self._judged: list[list[Any]] = []  # [answer's message id, outcome_row], not plain
-        self._judged_upto = 0  # the answers judged so far
+        # The outcomes of its turns' tool answers, judged on the loop (``sources.judge_all``):
+        # [answer's message id, outcome_row] of those not a plain success. One answer that
+        # came unjudged, and the transaction judges them all (``tool_log.JUDGE``).
+        self._judged: list[list[Any]] = []
+        self._unjudged = False
         # Gives ids to a turn that came without (a producer's, an earlier version's).
         self._ids = ids
         self.turns: list[Turn] = []
@@ -192,19 +189,18 @@ class Batch:
             row[8] += t.output_tokens
         self._has_nul = self._has_nul or any([t.has_nul for t in turns])
         self._payloads.extend([t.payload for t in turns])
-        runs, spans, rules, answers = self._runs, self._spans, self._rules, self._answers
+        runs, spans = self._runs, self._spans
         for t in turns:
             self.n_messages += t.n_messages
             if t.tool_calls:
                 self._has_tool_calls = True
             first = t.first_id
             assert first is not None  # given above
-            if t.answers and rules is not None:
-                for ordinal, content, outcome in t.answers:
-                    if outcome is UNJUDGED:
-                        answers.append((first + ordinal, content))
-                    elif outcome is not None:
-                        self._judged.append([first + ordinal, outcome])
+            for ordinal, _, outcome in t.answers:
+                if outcome is UNJUDGED:
+                    self._unjudged = True
+                elif outcome is not None:
+                    self._judged.append([first + ordinal, outcome])
             span = (first, first + t.n_messages - 1)
             spans.append(span)
             if payload_has_cjk(t.payload):
@@ -253,20 +249,6 @@ class Batch:
     def session_count(self) -> int:
         return len(self._sessions)
 
-    def judge(self, chunk: int = 50) -> Iterator[None]:
-        """Judge the turns' tool answers with the tool log's rules, ``chunk`` at a time, for
-        a caller that lets the loop run between steps (``seal``'s way). Before ``statements``;
-        an answer left unjudged is judged there, in the transaction."""
-        rules, answers, judged = self._rules, self._answers, self._judged
-        while rules is not None and self._judged_upto < len(answers):
-            upto = self._judged_upto
-            for message_id, content in answers[upto : upto + chunk]:
-                row = outcome_row(content, rules)
-                if row is not None:
-                    judged.append([message_id, row])
-            self._judged_upto = min(upto + chunk, len(answers))
-            yield
-
     def seal(self, chunk: int = 100) -> Iterator[None]:
         """Encode the sessions' rows ``chunk`` sessions at a time, for a caller that lets
         the loop run between steps (a thousand sessions take ~1 ms). Add no turns after."""
@@ -311,9 +293,7 @@ class Batch:
         if tool_log is not None and self._spans:
             # Its calls are logged, and its messages settle its sessions' calls that await
             # their answer (no statement at all without calls while none awaits one).
-            judged = (sql_literal(_ROWS.encode(self._judged))
-                      if self._rules is not None and self._judged_upto == len(self._answers)
-                      and self._rules == tool_log.rules else None)
+            judged = None if self._unjudged else sql_literal(_ROWS.encode(self._judged))
             script += log_statements(tool_log, self.mine, sessions=self.session_rows,
                                      calls=self._has_tool_calls, judged=judged)
         script += [

@@ -30,8 +30,8 @@ batches. So:
 - **Goal**: the call's record's first user message, else the session's last one before it.
 
 The answers are judged a success or a failure by the configured ``OutcomeRules``
-(``procedural.extract.judge``): a writer's batch judges its turns' own answers on the event
-loop as it is built (``Batch``), and hands the outcomes to its transaction; the answers a
+(``procedural.extract.judge``): the writer judges its batch's own answers on the event loop
+(``sources.judge_all``) and hands the outcomes to its transaction; the answers a
 commit finds in the store (a late answer, a call settled by a later record) are judged by
 ``hm_tool_outcomes``, a function the writer connection registers, called once per batch with
 all of them. Neither raises, so no tool answer can fail its batch.
@@ -84,8 +84,8 @@ CREATE INDEX IF NOT EXISTS idx_tool_calls_awaiting
 # turns of few sessions). An answer is found by (session, call id, the first id after the
 # call's message). tool_answer_outcomes holds the outcome of each answer that is not a plain
 # success, by the answer's message id. A writer's batch brings those of its own answers,
-# judged on the event loop as the batch was built (``Batch``: ~0.1 ms a turn of five calls
-# off the writer's thread, which is the log's bottleneck). The answers found in the store
+# judged on the event loop (``sources.judge_all``: by the read-ahead while the last batch
+# commits, else as the batch is built), off the store's thread. The answers found in the store
 # (and all of them where no batch judged them: a backfill, an import) are judged in ONE call
 # of the outcome function (all of them as a JSON array, ``judge`` = 1): called per row, each
 # call took the GIL back from a busy event loop, which holds it up to the switch interval
