@@ -11,9 +11,12 @@ That table is the only place the role matters.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import sqlite3
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -107,7 +110,17 @@ class Parts:
     async def shut_down(self, runner: asyncio.Task[None], deadline_s: float, *,
                         drain: bool) -> None:
         """Drain what was accepted (unless ``drain`` is False: a failed pipeline), stop the
-        parts and close the files, all within ``deadline_s``."""
+        parts and close the files, all within ``deadline_s``.
+
+        The interpreter's automatic collection is held off meanwhile: a full collection of a
+        large process stops the loop for 0.15 s and more (seen in the test suite's process),
+        and the deadline is kept by the loop's timers. What the window leaves to collect is
+        collected after it."""
+        with _collection_held():
+            await self._shut_down(runner, deadline_s, drain=drain)
+
+    async def _shut_down(self, runner: asyncio.Task[None], deadline_s: float, *,
+                         drain: bool) -> None:
         started = time.perf_counter()
         barrier = self.pipeline.barrier
         target = self.outbox.accepted()
@@ -156,6 +169,28 @@ class Parts:
             await anyio.to_thread.run_sync(self.outbox.close, abandon_on_cancel=True)
         if scope.cancelled_caught:
             log.warning("outbox_close_abandoned", outbox=str(self.outbox.directory))
+
+
+_held_lock = threading.Lock()
+_held = [0, False]  # shutdowns holding the collector off; whether it was on before the first
+
+
+@contextlib.contextmanager
+def _collection_held() -> Iterator[None]:
+    """Hold the interpreter's automatic collection off (``Parts.shut_down``); the last of
+    several shutdowns at once (pipelines on other loops) puts it back as it was."""
+    with _held_lock:
+        if _held[0] == 0:
+            _held[1] = gc.isenabled()
+            gc.disable()
+        _held[0] += 1
+    try:
+        yield
+    finally:
+        with _held_lock:
+            _held[0] -= 1
+            if _held[0] == 0 and _held[1]:
+                gc.enable()
 
 
 async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
