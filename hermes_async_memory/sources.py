@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
 import re
 from collections import deque
 from collections.abc import Sequence
@@ -23,6 +24,7 @@ from .store.tool_log import outcome_row
 from .turns import UNJUDGED, Turn
 from .writer import Unreadable, Work
 
+_PAYLOAD_OF = operator.attrgetter("payload")
 # The key and session of a record whose JSON does not parse, when its head is still whole.
 _HEAD = re.compile(r'^\{"k":("(?:[^"\\]|\\.)*"),"s":("(?:[^"\\]|\\.)*")')
 
@@ -68,7 +70,7 @@ class OutboxSource:
             # Straight into the in-flight records, so that a writer cancelled halfway is
             # offered them again.
             start = len(inflight)
-            used = sum(len(r.payload) for r in self._ahead)
+            used = sum(map(len, map(_PAYLOAD_OF, self._ahead)))
             inflight.extend(self._ahead)
             items = self._ahead_items
             self._ahead, self._ahead_items = [], []
@@ -107,7 +109,7 @@ class OutboxSource:
             if not chunk:
                 break
             into.extend(chunk)  # before any await: a cancelled read loses nothing
-            used += sum(len(r.payload) for r in chunk)
+            used += sum(map(len, map(_PAYLOAD_OF, chunk)))
             await maybe_yield()
 
     def _reading_recovered(self) -> bool:
@@ -118,12 +120,17 @@ class OutboxSource:
         n = len(items)
         if (not self._settled and n and n <= len(inflight)
                 and items[0].seq == inflight[0].seq and items[-1].seq == inflight[n - 1].seq):
-            # The oldest records in flight, in order: the usual case.
+            # The oldest records in flight, in order: the usual case. A chunk a step: settling
+            # 2,000 records at once reads each one's fields (~0.6 ms on the loop) and frees
+            # them all. Only the writer, which awaits this, changes what is in flight.
             popleft = inflight.popleft
-            done = [popleft() for _ in range(n)]
-            self._handed = max(0, self._handed - n)
-            self.outbox.mark_done(done)
-            self._barrier.settle(done[-1].seq)
+            for start in range(0, n, CHUNK):
+                if start:
+                    await maybe_yield()
+                done = [popleft() for _ in range(min(CHUNK, n - start))]
+                self._handed = max(0, self._handed - len(done))
+                self.outbox.mark_done(done)
+                self._barrier.settle(done[-1].seq)
             return
         settled = self._settled
         settled.update(item.seq for item in items)
@@ -157,9 +164,9 @@ async def judge_all(items: list[Turn | Unreadable], rules: OutcomeRules) -> None
         if isinstance(item, Turn) and item.answers and item.answers[0][2] is UNJUDGED:
             items[i] = item.with_outcomes(lambda content: outcome_row(content, rules))
             judged += len(item.answers)
-            if judged >= CHUNK:
-                judged = 0
-                await maybe_yield()
+        if judged >= CHUNK or i % CHUNK == CHUNK - 1:  # the scan alone of 2,000 turns: ~0.3 ms
+            judged = 0
+            await maybe_yield()
 
 
 def decode(record: Record) -> Turn | Unreadable:

@@ -33,7 +33,7 @@ from .faults import Fault, classify, is_disk_full
 from .metrics import PipelineObserver
 from .ops import OP_SESSION
 from .retry import Backoff
-from .slices import begin, committing, maybe_yield
+from .slices import CHUNK, begin, committing, maybe_yield
 from .supervisor import DISK_FULL_STORE, Conditions
 from .turns import Turn
 
@@ -98,7 +98,7 @@ class Sink(Protocol):
         """Keep a record that cannot be written, with why."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Committed:
     source: Source
     turns: list[Turn]
@@ -282,6 +282,9 @@ class Writer:
         items = work.items
         if work.replay:
             items = await self._drop_held(source, items)
+        if await _one_run(items):  # as a rule: no lifecycle event, no unreadable record
+            await self._write(source, cast("list[Turn]", items))
+            return
         run: list[Turn] = []
         # A lifecycle event's statements run after its batch's messages, so a record of the
         # same session behind it must commit in a later transaction (a deleted session's next
@@ -357,9 +360,19 @@ class Writer:
             await maybe_yield()
         await source.settle(turns, committed=True)
         await maybe_yield()
+        # The turns go a chunk at a step: the last reference to a 2,000-turn batch, dropped
+        # at once, frees every turn in one ~1 ms step of the loop. The copy holds them while
+        # the batch's own list goes (its other holders are done with it by now).
+        n, sessions = len(turns), set()
+        held, done.turns = list(turns), []
+        del turns
+        while held:
+            sessions.update([t.session_id for t in held[-CHUNK:]])
+            del held[-CHUNK:]
+            await maybe_yield()
         log.info(
-            f"batch_{self._sink.name}", turns=len(turns), rows=done.rows, source=source.name,
-            sessions=len({t.session_id for t in turns}), attempts=done.attempts,
+            f"batch_{self._sink.name}", turns=n, rows=done.rows, source=source.name,
+            sessions=len(sessions), attempts=done.attempts,
             duration_ms=round(done.duration_s * 1000, 2), waiting=source.waiting(),
         )
 
@@ -456,3 +469,14 @@ class Writer:
                     raise
                 attempt += 1
                 await self._transient(exc, attempt, 0)
+
+
+async def _one_run(items: Sequence[Turn | Unreadable]) -> bool:
+    """Whether ``items`` commit as one run: all turns, none a lifecycle event (see
+    ``Writer._process``); scanned a chunk a step, as the batch's other passes are."""
+    for i in range(0, len(items), CHUNK):
+        if i:
+            await maybe_yield()
+        if any([not isinstance(t, Turn) or t.kind == OP_SESSION for t in items[i : i + CHUNK]]):
+            return False
+    return True

@@ -2,9 +2,11 @@
 
 The 2 ms goal itself is measured by benchmarks/bench_loop_lag.py against an idle loop in the
 same run. This test guards the structure that meets it, with a bound no sliced step comes near
-and every unsliced one exceeds: here sliced steps take under 1 ms of CPU (the rarest up to
-~3.6 ms in a full-suite run), while the writer handling a 2,000-turn batch in one step (slices
-turned off) takes 9-17 ms.
+and every unsliced one exceeds: here the longest sliced steps take ~1.1 ms of CPU (the rarest
+~2 ms), while the writer handling a 2,000-turn batch in one step (slices turned off) takes
+9-17 ms. A pass over a whole batch in one step is what breaks it: before the last of those went
+(the statements' sort of the batch's id spans, freeing its turns and records at once, the
+settle's and the run split's scans), steps of 3-4.4 ms here reached 6.95 ms on a slower host.
 """
 
 from __future__ import annotations

@@ -201,3 +201,39 @@ async def test_a_version_1_store_is_brought_up_to_date_at_open(tmp_path: Path) -
     conn = sqlite3.connect(db)
     assert conn.execute("SELECT version FROM schema_version").fetchone() == (SCHEMA_VERSION,)
     conn.close()
+
+
+async def test_a_batch_whose_turns_took_their_ids_out_of_order_indexes_every_message(
+        tmp_path: Path) -> None:
+    """Turns whose message ids come out of order, overlapping none, with gaps (a producer's
+    turns, an earlier run's) in one batch: every message is in the word index once, the
+    CJK ones in the trigram index once, and no id the batch did not use is claimed."""
+    firsts = [500, 10, 12, 300, 14, 16, 200, 700, 18]  # 2 messages each
+    turns = [Turn.build(key=f"k{n}", session_id=f"s{n % 3}", user_id="u", accepted_at=1.0 + n,
+                        messages=[("user", f"word{n} 質問{n}" if n % 2 else f"word{n}",
+                                   None, None, None),
+                                  ("assistant", f"reply{n}", None, None, None)],
+                        metadata=None
+                        ).with_first_id(first)
+             for n, first in enumerate(firsts)]
+    store = SqliteStore(tmp_path / "m.db")
+    await store.open()
+    try:
+        await store.commit_batch(Batch.of(turns, store.source))
+    finally:
+        await store.aclose()
+    db = tmp_path / "m.db"
+    for n, first in enumerate(firsts):
+        word = f"SELECT rowid FROM messages_fts WHERE messages_fts MATCH 'word{n} OR reply{n}'"
+        assert sorted(r[0] for r in _rows(db, word)) == [first, first + 1], n
+        cjk = f"SELECT rowid FROM messages_trgm WHERE messages_trgm MATCH '質問{n}'"
+        assert [r[0] for r in _rows(db, cjk)] == ([first] if n % 2 else []), n
+    assert _rows(db, "SELECT high FROM message_id_high") == [(701,)]
+
+
+def _rows(db: Path, sql: str) -> list[tuple[object, ...]]:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()

@@ -123,12 +123,10 @@ class Batch:
         self.turns: list[Turn] = []
         self.n_messages = 0
         self._payloads: list[str] = []
-        # Runs of consecutive turns from one outbox segment: [segment, [(first id, last id)
-        # of each turn]].
-        self._runs: list[list[Any]] = []
-        self._spans: list[tuple[int, int]] = []  # every turn's (first id, last id)
-        self._merged: list[list[int]] | None = None  # those merged (``mine``), once asked
-        self._cjk_spans: list[tuple[int, int]] = []  # those of turns that may hold CJK text
+        # Runs of consecutive turns from one outbox segment: [segment, their message ids].
+        self._runs: list[tuple[int, IdRanges]] = []
+        self._ids_of = IdRanges()  # every turn's messages
+        self._cjk_ids = IdRanges()  # those of turns that may hold CJK text
         # Each session's share of the batch: [source, user_id, model, parent_session_id,
         # started_at, messages, tool calls, input tokens, output tokens]; text fields keep the
         # least (source, parent) or greatest (user, model) value seen, as SQL's min and max.
@@ -157,7 +155,6 @@ class Batch:
             ValueError: a turn without ids, and no ``ids`` to give them.
         """
         self._session_json = None
-        self._merged = None
         if any([t.first_id is None and t.kind == TURN for t in items]):
             items = [self._with_ids(t) if t.first_id is None and t.kind == TURN else t
                      for t in items]
@@ -191,7 +188,7 @@ class Batch:
             row[8] += t.output_tokens
         self._has_nul = self._has_nul or any([t.has_nul for t in turns])
         self._payloads.extend([t.payload for t in turns])
-        runs, spans = self._runs, self._spans
+        runs, ids_of = self._runs, self._ids_of
         for t in turns:
             self.n_messages += t.n_messages
             if t.tool_calls:
@@ -203,14 +200,13 @@ class Batch:
                     self._unjudged = True
                 elif outcome is not None:
                     self._judged.append([first + ordinal, outcome])
-            span = (first, first + t.n_messages - 1)
-            spans.append(span)
+            last = first + t.n_messages - 1
+            ids_of.add(first, last)
             if payload_has_cjk(t.payload):
-                self._cjk_spans.append(span)
-            if runs and runs[-1][0] == t.segment:
-                runs[-1][1].append(span)
-            else:
-                runs.append([t.segment, [span]])
+                self._cjk_ids.add(first, last)
+            if not runs or runs[-1][0] != t.segment:
+                runs.append((t.segment, IdRanges()))
+            runs[-1][1].add(first, last)
 
     def _with_ids(self, t: Turn) -> Turn:
         if self._ids is None:
@@ -228,12 +224,8 @@ class Batch:
 
     def mine(self, column: str = "id") -> str:
         """The SQL condition on ``column`` (a message id) that holds for this batch's
-        messages: their id ranges (a batch's turns took consecutive ids as a rule). The
-        ranges are merged once per batch: the statements ask for them several times, and a
-        sort of 20,000 spans is ~8 ms of the loop's time."""
-        if self._merged is None:
-            self._merged = merge_spans(self._spans)
-        return ranges_sql(self._merged, column)
+        messages: their id ranges (a batch's turns took consecutive ids as a rule)."""
+        return self._ids_of.sql(column)
 
     def literal_parts(self) -> list[str]:
         """The turns' JSON as an SQL string literal, in pieces to join once with the rest of
@@ -250,7 +242,7 @@ class Batch:
 
     def segment_runs(self) -> list[tuple[int, str]]:
         """(segment, the SQL condition on a message's id for its turns) of each run."""
-        return [(segment, id_ranges(spans, "id")) for segment, spans in self._runs]
+        return [(segment, ranges.sql("id")) for segment, ranges in self._runs]
 
     def session_count(self) -> int:
         return len(self._sessions)
@@ -289,14 +281,14 @@ class Batch:
         now_sql = repr(now)
         script = [INSERT_REPLICA.format(backend=sql_literal(replica), mine=mine)
                   ] if replica else []
-        if self._cjk_spans:
-            script.append(INDEX_TRIGRAM.format(mine=id_ranges(self._cjk_spans, "id")))
-        if self._spans:
+        if self._cjk_ids:
+            script.append(INDEX_TRIGRAM.format(mine=self._cjk_ids.sql("id")))
+        if self._ids_of:
             script += [INDEX_BATCH.format(mine=mine), INDEX_TOOLS.format(mine=mine),
-                       ID_HIGH.format(high=max(last for _, last in self._spans)),
+                       ID_HIGH.format(high=self._ids_of.high()),
                        UPSERT_SESSIONS.format(rows=self.session_rows(), now=now_sql,
                                               source=sql_literal(self.source))]
-        if tool_log is not None and self._spans:
+        if tool_log is not None and self._ids_of:
             # Its calls are logged, and its messages settle its sessions' calls that await
             # their answer (no statement at all without calls while none awaits one).
             judged = None if self._unjudged else sql_literal(_ROWS.encode(self._judged))
@@ -341,13 +333,51 @@ class Batch:
         ]
 
 
-def id_ranges(spans: Sequence[tuple[int, int]], column: str) -> str:
-    """The SQL condition that ``column`` is in one of ``spans`` (first, last), adjacent and
-    overlapping spans merged; ``0`` (false) for none."""
-    return ranges_sql(merge_spans(spans), column)
+class IdRanges:
+    """Message ids as ranges [first, last], merged as turns add their spans.
+
+    A batch's turns come in id order as a rule (they took their ids when accepted), so each
+    span extends the last range or starts a new one, and the ranges are ready when the
+    statements ask: no sort of a 2,000-turn batch's spans on the event loop (~2 ms there)
+    between its last slice and its commit. Spans out of order are merged once, when asked.
+    """
+
+    __slots__ = ("_in_order", "_ranges")
+
+    def __init__(self) -> None:
+        self._ranges: list[list[int]] = []  # sorted, disjoint, not adjacent while in order
+        self._in_order = True
+
+    def add(self, first: int, last: int) -> None:
+        ranges = self._ranges
+        if ranges:
+            tail = ranges[-1]
+            if tail[0] <= first <= tail[1] + 1:
+                if last > tail[1]:
+                    tail[1] = last
+                return
+            if first < tail[0]:
+                self._in_order = False
+        ranges.append([first, last])
+
+    def __bool__(self) -> bool:
+        return bool(self._ranges)
+
+    def merged(self) -> list[list[int]]:
+        if not self._in_order:
+            self._ranges, self._in_order = merge_spans(self._ranges), True
+        return self._ranges
+
+    def high(self) -> int:
+        """The greatest id (there must be one)."""
+        return self.merged()[-1][1]
+
+    def sql(self, column: str) -> str:
+        """The SQL condition that ``column`` is one of the ids; ``0`` (false) for none."""
+        return ranges_sql(self.merged(), column)
 
 
-def merge_spans(spans: Sequence[tuple[int, int]]) -> list[list[int]]:
+def merge_spans(spans: list[list[int]]) -> list[list[int]]:
     """``spans`` (first, last) in order, adjacent and overlapping ones merged."""
     merged: list[list[int]] = []
     for first, last in sorted(spans):
