@@ -117,6 +117,7 @@ class MemoryPipeline:
         self.meter = Meter()
         self._changed = asyncio.Event()  # set, and replaced, after each change: wait_until()
         self.cache.on_change = self.changed
+        self._cache_entries = self.cache.entries  # prefetch()'s warm path reads them as they are
         # Key-value memory per user, through the same outbox as turns (see ``memory``).
         self.memory = memory_for(self)
         # The session store: its reads, and its lifecycle writes through the same outbox.
@@ -356,12 +357,18 @@ class MemoryPipeline:
         Raises:
             InvalidTurnError: an id is not a non-empty string.
         """
-        try:
-            text = self.cache.cached(user_id, session_id)  # the warm path: one lookup
-        except TypeError:
-            text = None
-        if text is not None:
-            return text
+        try:  # the warm path, inlined (a call less is ~20 % of it): one lookup, one check
+            entry = self._cache_entries.get((user_id, session_id))
+        except TypeError:  # an id that is not hashable is not an id: checked below
+            entry = None
+        if entry is not None:
+            rendered = entry.rendered
+            if rendered is not None and rendered[0] == entry.version:  # see RecallCache.cached
+                self.cache.hits += 1
+                return rendered[1]
+            text = self.cache.cached(user_id, session_id)
+            if text is not None:
+                return text
         check_id("session_id", session_id)
         if user_id is not None:
             check_id("user_id", user_id)
