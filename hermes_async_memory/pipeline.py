@@ -357,7 +357,7 @@ class MemoryPipeline:
         Raises:
             InvalidTurnError: an id is not a non-empty string.
         """
-        try:  # the warm path, inlined (a call less is ~20 % of it): one lookup, one check
+        try:  # the warm path, RecallCache.cached's hit inlined (a call less: ~15 % of it)
             entry = self._cache_entries.get((user_id, session_id))
         except TypeError:  # an id that is not hashable is not an id: checked below
             entry = None

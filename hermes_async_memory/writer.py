@@ -282,18 +282,17 @@ class Writer:
         items = work.items
         if work.replay:
             items = await self._drop_held(source, items)
-        if await _one_run(items):  # as a rule: no lifecycle event, no unreadable record
-            await self._write(source, cast("list[Turn]", items))
-            return
         run: list[Turn] = []
         # A lifecycle event's statements run after its batch's messages, so a record of the
         # same session behind it must commit in a later transaction (a deleted session's next
         # turn starts it anew, it is not deleted too; a later turn's model outranks an earlier
         # describe's): the event ends its batch when its session has a record after it.
         last: dict[str, int] = {}
-        if any([isinstance(t, Turn) and t.kind == OP_SESSION for t in items]):
+        if await _has_lifecycle(items):
             last = {t.session_id: i for i, t in enumerate(items) if isinstance(t, Turn)}
         for i, item in enumerate(items):
+            if i % CHUNK == CHUNK - 1:  # a pass over a whole batch is several steps
+                await maybe_yield()
             if isinstance(item, Turn):
                 run.append(item)
                 if item.kind == OP_SESSION and last[item.session_id] > i:
@@ -471,12 +470,12 @@ class Writer:
                 await self._transient(exc, attempt, 0)
 
 
-async def _one_run(items: Sequence[Turn | Unreadable]) -> bool:
-    """Whether ``items`` commit as one run: all turns, none a lifecycle event (see
-    ``Writer._process``); scanned a chunk a step, as the batch's other passes are."""
+async def _has_lifecycle(items: Sequence[Turn | Unreadable]) -> bool:
+    """Whether a lifecycle event is among ``items`` (see ``Writer._process``); scanned a
+    chunk a step, as the batch's other passes are."""
     for i in range(0, len(items), CHUNK):
         if i:
             await maybe_yield()
-        if any([not isinstance(t, Turn) or t.kind == OP_SESSION for t in items[i : i + CHUNK]]):
-            return False
-    return True
+        if any([isinstance(t, Turn) and t.kind == OP_SESSION for t in items[i : i + CHUNK]]):
+            return True
+    return False
