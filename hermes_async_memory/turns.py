@@ -55,6 +55,10 @@ TURN = "turn"
 ID_SLOT = ID_DIGITS + 1  # from the end of the payload: the digits, then "}"
 NO_ID = b"null".rjust(ID_DIGITS)
 _DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":[%s],"d":%s,"i":' + "null".rjust(ID_DIGITS) + "}"
+# A turn of a user text and a reply, no metadata: ``_DOC`` with its two rows written out.
+_PLAIN_DOC = _DOC.replace("[%s]", '[["user",%s,null,null,null,null,null,null],'
+                          '["assistant",%s,null,null,null,null,null,null]]').replace(
+                              '"d":%s', '"d":null')
 _ABSENT: Any = object()
 UNJUDGED: Any = object()  # a tool answer's outcome before the writer judged it (Turn.answers)
 
@@ -796,6 +800,22 @@ def encode_turn(
         InvalidTurnError: the turn can never be stored as given (types, nesting, token
             counts, not JSON, or over ``max_bytes`` encoded); nothing was stored.
     """
+    if (messages is None and metadata is None and type(user_content) is str
+            and type(assistant_content) is str and _column_text(user_content)
+            and _column_text(assistant_content)):
+        # The common turn, a user text and a reply, put together in one step: the rows
+        # ``turn_messages`` would make, encoded as ``encode_payload`` would (~40 % less).
+        payload = _PLAIN_DOC % (
+            _esc(key), _esc(session_id), _NULL if user_id is None else _esc(user_id),
+            accepted_at, _esc(scope_tokens(user_id, session_id)), _esc(user_content),
+            _esc(assistant_content))
+        if "'" in payload:
+            payload = payload.replace("'", "\\u0027")
+        data = payload.encode("ascii")
+        if len(data) > max_bytes:
+            raise InvalidTurnError(f"the turn is {len(data)} bytes encoded; the limit "
+                                   f"(max_turn_bytes) is {max_bytes}")
+        return data, 2, False
     md = check_metadata(metadata)
     notes: list[int] = []
     rows = turn_messages(user_content, assistant_content, messages, notes)

@@ -124,6 +124,34 @@ async def test_a_turn_split_across_two_calls_is_stored_once_in_order(
     assert (session["message_count"], session["tool_call_count"]) == (4, 1)
 
 
+PLAIN_TEXTS = ["", "it's Ann's", '"quoted" \\ back\nslash\ttab', "café 中文 \U0001F600",
+               "nul\x00inside", "lone \ud800 surrogate", "x" * 3000]
+
+
+async def test_a_plain_turn_is_stored_as_the_same_turn_given_as_messages(
+        mem: MemoryPipeline) -> None:
+    """sync_turn(user, assistant) has a fast path of its own: every text comes back exactly as
+    the same two messages given as a list do, and is found by search alike."""
+    pairs = [(u, a) for u in PLAIN_TEXTS for a in PLAIN_TEXTS[::-1]]
+    # A batch holding a NUL is committed through bound parameters, any other as one SQL
+    # script: the turns without go first, in batches of their own.
+    pairs.sort(key=lambda pair: "\x00" in pair[0] + pair[1])
+    for i, (u, a) in enumerate(pairs):
+        if "\x00" in u + a and "\x00" not in "".join(pairs[i - 1]):
+            await mem.flush()
+        mem.sync_turn(u, a, session_id=f"plain-{i}", user_id="ann")
+        mem.sync_turn("", "", session_id=f"list-{i}", user_id="ann",
+                      messages=[{"role": "user", "content": u},
+                                {"role": "assistant", "content": a}])
+    await mem.flush()
+    for i, (u, a) in enumerate(pairs):
+        plain, listed = await all_messages(mem, f"plain-{i}"), await all_messages(mem, f"list-{i}")
+        assert plain == listed == [{"role": "user", "content": u},
+                                   {"role": "assistant", "content": a}]
+    hits = await mem.sessions.search("Ann's", user_id="ann")
+    assert {h.session_id.split("-")[0] for h in hits} == {"plain", "list"}
+
+
 async def test_structured_content_is_searchable_by_its_text(mem: MemoryPipeline) -> None:
     mem.sync_turn("", "", session_id="s", user_id="ann", messages=SHAPES["structured content"])
     await mem.flush()
