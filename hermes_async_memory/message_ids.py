@@ -54,6 +54,16 @@ class MessageIds:
         with self._lock:
             return self._give(n)
 
+    def use_lock(self, lock: threading.Lock) -> None:
+        """Guard the counter with ``lock`` from now on: the outbox's, which an append holds
+        as it takes the record's ids (``give_locked``). Call it while no other thread uses
+        this."""
+        self._lock = lock
+
+    def give_locked(self, n: int) -> int:
+        """``take`` for a caller that already holds the lock given to ``use_lock``."""
+        return self._give(n)
+
     def _give(self, n: int) -> int:
         first = self._next
         self._next += max(int(n), 1)

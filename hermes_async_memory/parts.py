@@ -224,7 +224,7 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
                 store.ids.protect(lowest)
             for key, n in missing:
                 store.ids.reserve(key, n)
-            outbox.ids = store.ids
+            outbox.give_ids(store.ids)
             store.ids.oldest_pending = outbox.oldest_pending_first_id
         if not outbox.accepting():
             # Started all the same, so the writer drains what is pending (that frees room):

@@ -341,11 +341,13 @@ class Outbox:
 
     # -- accept (any thread) -------------------------------------------------------------
 
-    def append(self, payload: bytes, n_messages: int, kind: int = KIND_TURN
-               ) -> tuple[int, bool, int | None]:
+    def append(self, payload: bytes, n_messages: int, kind: int = KIND_TURN,
+               slotted: bool | None = None) -> tuple[int, bool, int | None]:
         """Make ``payload`` durable; returns its number, whether the backlog was past its
         bounds (the writer is behind: the record waits in the log, as every record does), and
         the first id of its messages when it has an id slot and ``ids`` is set (else None).
+        ``slotted``: whether the payload ends in an empty id slot, when the caller knows;
+        None, to look.
 
         Raises:
             QueueFullError: the backlog is full and the policy is "reject"; nothing stored.
@@ -353,7 +355,7 @@ class Outbox:
             CorruptOutboxError: the outbox is closed or its directory cannot be used.
         """
         size = len(payload)
-        info = fmt.info_of(kind, n_messages)
+        info = (kind << 24) | (n_messages if n_messages < COUNT_MASK else COUNT_MASK)
         with self._lock:
             if not self._open or not self._writable:
                 raise CorruptOutboxError("the outbox is closed")
@@ -365,10 +367,18 @@ class Outbox:
                     "the overflow policy is 'reject'"
                 )
             ids = self.ids
-            if ids is None or not n_messages or not has_id_slot(payload):
+            if ids is None or not n_messages or not (
+                    has_id_slot(payload) if slotted is None else slotted):
                 return self._write(payload, info), over, None
-            first = ids.take(n_messages)
-            return self._write(payload, info, str(first).rjust(ID_DIGITS).encode()), over, first
+            first = ids.give_locked(n_messages)  # ``ids`` shares this lock: see ``give_ids``
+            return self._write(payload, info, b"%*d" % (ID_DIGITS, first)), over, first
+
+    def give_ids(self, ids: MessageIds) -> None:
+        """Number each turn record's messages from ``ids`` as it is appended. ``ids`` takes
+        this outbox's lock as its own: an append holds one lock, not two. Call it before the
+        first append, once ``ids`` is set up."""
+        ids.use_lock(self._lock)
+        self.ids = ids
 
     def _write(self, payload: bytes, info: int, slot: bytes | None = None) -> int:
         tail = self._tail

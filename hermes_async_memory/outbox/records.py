@@ -30,10 +30,6 @@ KIND_TURN = 0
 COUNT_MASK = 0xFFFFFF
 
 
-def info_of(kind: int, n_messages: int) -> int:
-    return (kind << 24) | min(n_messages, COUNT_MASK)
-
-
 def write(mm: mmap.mmap, off: int, payload: bytes, info: int, slot: bytes | None = None
           ) -> int:
     """Write a record at ``off``, its commit mark last; returns where the next one goes.
@@ -41,20 +37,29 @@ def write(mm: mmap.mmap, off: int, payload: bytes, info: int, slot: bytes | None
     ``slot``: bytes that replace the payload's last ``len(slot) + 1`` but one (a turn's id
     slot, ``turns.ID_SLOT``), filled as the record is written."""
     size = len(payload)
+    if slot is not None:
+        # Two copies of a few hundred bytes cost less than writing and checksumming the
+        # record in three pieces.
+        at = size - len(slot) - 1
+        payload = payload[:at] + slot + payload[at + len(slot):]
     start = off + HEADER_BYTES
     mm[start : start + size] = payload
-    crc = zlib.crc32(_INFO.pack(info))
-    if slot is None:
-        crc = zlib.crc32(payload, crc)
-    else:
-        at = size - len(slot) - 1
-        mm[start + at : start + at + len(slot)] = slot
-        with memoryview(payload) as view:
-            crc = zlib.crc32(view[:at], crc)
-        crc = zlib.crc32(payload[-1:], zlib.crc32(slot, crc))
-    _TAIL.pack_into(mm, off + 8, crc, info)
+    _TAIL.pack_into(mm, off + 8, zlib.crc32(payload, _info_crc(info)), info)
     _MARK.pack_into(mm, off, MAGIC_U32, size)  # the commit mark: written last
     return start + size
+
+
+_INFO_CRCS: dict[int, int] = {}
+
+
+def _info_crc(info: int) -> int:
+    """The CRC of ``info``'s bytes, where a record's CRC starts (a turn's is one of a few)."""
+    crc = _INFO_CRCS.get(info)
+    if crc is None:
+        crc = zlib.crc32(_INFO.pack(info))
+        if len(_INFO_CRCS) < 4096:
+            _INFO_CRCS[info] = crc
+    return crc
 
 
 def valid_at(mm: mmap.mmap, off: int, end: int) -> int:
@@ -65,7 +70,7 @@ def valid_at(mm: mmap.mmap, off: int, end: int) -> int:
     if magic != MAGIC_U32 or size <= 0 or off + HEADER_BYTES + size > end:
         return -1
     start = off + HEADER_BYTES
-    if zlib.crc32(mm[start : start + size], zlib.crc32(_INFO.pack(info))) != crc:
+    if zlib.crc32(mm[start : start + size], _info_crc(info)) != crc:
         return -1
     return int(size)
 
