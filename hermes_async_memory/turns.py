@@ -738,11 +738,13 @@ _CALL_KEYS = frozenset({"id", "type", "function"})
 _FUNCTION_KEYS = frozenset({"name", "arguments"})
 
 
-def _openai_shaped(calls: list[Any]) -> bool:
+def _openai_shaped(calls: object) -> bool:
     """Whether ``calls`` are tool calls of OpenAI's shape with text values only (``{"id",
     "type", "function": {"name", "arguments"}}``, any of them missing): then every key is
     text and nothing nests, which ``_plain_keys`` would find walking them, in twice the
     time. False means "not sure"."""
+    if type(calls) is not list:
+        return False
     for call in calls:
         if type(call) is not dict or not call.keys() <= _CALL_KEYS:
             return False
