@@ -204,7 +204,7 @@ async def accept_both(mem: MemoryPipeline, turns: list[Turn], n: int) -> tuple[l
             if i % BACKLOG_CHECK == BACKLOG_CHECK - 1:
                 # Polling on purpose, as bench_sync_turn: the loop must stay busy.
                 give_up = time.perf_counter() + FLUSH_TIMEOUT_S
-                while mem.stats().queued_turns > BACKLOG:
+                while mem.uncommitted() > BACKLOG:  # two counters; stats() is ~0.3 ms
                     await asyncio.sleep(0)
                     if time.perf_counter() > give_up:
                         raise RuntimeError("the writer stopped committing")

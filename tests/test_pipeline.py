@@ -78,6 +78,19 @@ async def test_flush_is_a_barrier_and_turns_are_recallable(mem: MemoryPipeline) 
     ]
 
 
+async def test_uncommitted_counts_what_is_accepted_and_not_yet_settled(
+        mem: MemoryPipeline) -> None:
+    """Accepted without yielding to the loop, nothing can have been committed: the count is
+    every turn; after flush() it is none."""
+    assert (mem.uncommitted(), mem.pending()) == (0, False)
+    for i in range(30):
+        mem.sync_turn(f"turn {i}", "ok", session_id=f"s{i % 3}", user_id="ann")
+    assert (mem.uncommitted(), mem.pending()) == (30, True)
+    await mem.flush()
+    assert (mem.uncommitted(), mem.pending()) == (0, False)
+    assert mem.stats().committed_turns == 30
+
+
 async def test_queue_prefetch_fills_the_cache_for_the_next_turn(mem: MemoryPipeline) -> None:
     mem.sync_turn("my cat is called Mittens", "noted", session_id="old", user_id="bob")
     mem.sync_turn("unrelated chatter", "sure", session_id="new", user_id="bob")
