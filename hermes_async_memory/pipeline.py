@@ -44,7 +44,6 @@ from .fence import Fence
 from .memory.backends import memory_for
 from .metrics import PipelineObserver
 from .outbox.destroyed import DESTROYED_FILE, OUTBOX_DESTROYED
-from .outbox.records import KIND_TURN
 from .parts import Parts, build_parts, collect_stats
 from .procedural.api import ProceduralMemory
 from .recall.cache import PrefetchStatus, RecallCache
@@ -119,7 +118,6 @@ class MemoryPipeline:
         self.meter = Meter()
         self._changed = asyncio.Event()  # set, and replaced, after each change: wait_until()
         self.cache.on_change = self.changed
-        self._cache_entries = self.cache.entries  # prefetch()'s warm path reads them as they are
         # Key-value memory per user, through the same outbox as turns (see ``memory``).
         self.memory = memory_for(self)
         # The session store: its reads, and its lifecycle writes through the same outbox.
@@ -292,7 +290,7 @@ class MemoryPipeline:
         data, n_messages, normalized = encode_turn(
             key, session_id, user_id, accepted_at, user_content, assistant_content, messages,
             metadata, self.settings.max_turn_bytes)
-        receipt = self._append(parts, key, session_id, accepted_at, data, n_messages, True)
+        receipt = self._append(parts, key, session_id, accepted_at, data, n_messages)
         self.sanitized += normalized
         return receipt
 
@@ -311,9 +309,9 @@ class MemoryPipeline:
         return self._append(self._accepting(), key, lane, accepted_at, data, n_messages)
 
     def _append(self, parts: Parts, key: str, lane: str, accepted_at: float, data: bytes,
-                n_messages: int, slotted: bool | None = None) -> Receipt:
+                n_messages: int) -> Receipt:
         try:
-            seq, deferred, first_id = parts.outbox.append(data, n_messages, KIND_TURN, slotted)
+            seq, deferred, first_id = parts.outbox.append(data, n_messages)
         except DiskFullError as exc:
             self.conditions.set(DISK_FULL, describe(exc))
             raise
@@ -360,18 +358,12 @@ class MemoryPipeline:
         Raises:
             InvalidTurnError: an id is not a non-empty string.
         """
-        try:  # the warm path, RecallCache.cached's hit inlined (a call less: ~15 % of it)
-            entry = self._cache_entries.get((user_id, session_id))
+        try:
+            text = self.cache.cached(user_id, session_id)  # the warm path: one lookup
         except TypeError:  # an id that is not hashable is not an id: checked below
-            entry = None
-        if entry is not None:
-            rendered = entry.rendered
-            if rendered is not None and rendered[0] == entry.version:  # see RecallCache.cached
-                self.cache.hits += 1
-                return rendered[1]
-            text = self.cache.cached(user_id, session_id)
-            if text is not None:
-                return text
+            text = None
+        if text is not None:
+            return text
         check_id("session_id", session_id)
         if user_id is not None:
             check_id("user_id", user_id)
@@ -594,26 +586,9 @@ class MemoryPipeline:
 
 
 def _check_ids(session_id: str, user_id: str | None) -> None:
-    """``check_id`` both, skipped for an id it passed before (a session's every turn
-    carries the same two: ~0.5 µs of ~10 here)."""
-    checked = _CHECKED
-    if type(session_id) is not str or session_id not in checked:
-        _checked(check_id("session_id", session_id))
-    if user_id is not None and (type(user_id) is not str or user_id not in checked):
-        _checked(check_id("user_id", user_id))
-
-
-# Ids check_id passed (its rules do not depend on the name). Plain str only: a subclass
-# could compare equal to one and still differ. Emptied when full; any thread.
-_CHECKED: dict[str, None] = {}
-_CHECKED_MAX = 65_536
-
-
-def _checked(value: str | None) -> None:
-    if type(value) is str:
-        if len(_CHECKED) >= _CHECKED_MAX:
-            _CHECKED.clear()
-        _CHECKED[value] = None
+    check_id("session_id", session_id)
+    if user_id is not None:
+        check_id("user_id", user_id)
 
 
 def _deadline(timeout: float | None) -> float | None:

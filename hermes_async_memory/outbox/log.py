@@ -341,13 +341,11 @@ class Outbox:
 
     # -- accept (any thread) -------------------------------------------------------------
 
-    def append(self, payload: bytes, n_messages: int, kind: int = KIND_TURN,
-               slotted: bool | None = None) -> tuple[int, bool, int | None]:
+    def append(self, payload: bytes, n_messages: int, kind: int = KIND_TURN
+               ) -> tuple[int, bool, int | None]:
         """Make ``payload`` durable; returns its number, whether the backlog was past its
         bounds (the writer is behind: the record waits in the log, as every record does), and
         the first id of its messages when it has an id slot and ``ids`` is set (else None).
-        ``slotted``: whether the payload ends in an empty id slot, when the caller knows;
-        None, to look.
 
         Raises:
             QueueFullError: the backlog is full and the policy is "reject"; nothing stored.
@@ -367,8 +365,7 @@ class Outbox:
                     "the overflow policy is 'reject'"
                 )
             ids = self.ids
-            if ids is None or not n_messages or not (
-                    has_id_slot(payload) if slotted is None else slotted):
+            if ids is None or not n_messages or not has_id_slot(payload):
                 return self._write(payload, info), over, None
             first = ids.give_locked(n_messages)  # ``ids`` shares this lock: see ``give_ids``
             return self._write(payload, info, b"%*d" % (ID_DIGITS, first)), over, first

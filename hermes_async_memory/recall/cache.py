@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -100,12 +100,6 @@ class RecallCache:
         return key in self._entries
 
     # -- reads (any thread) ------------------------------------------------------------
-
-    @property
-    def entries(self) -> Mapping[CacheKey, _Entry]:
-        """The entries, to read only: ``MemoryPipeline.prefetch`` inlines ``cached``'s hit
-        (an entry whose rendering is tagged with its version) to save a call."""
-        return self._entries
 
     def cached(self, user_id: object, session_id: object) -> str | None:
         """The block of a cached (user, session) (rendered now if a commit changed it;
