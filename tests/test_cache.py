@@ -12,8 +12,11 @@ import anyio.lowlevel
 import pytest
 
 from hermes_async_memory import InvalidTurnError, MemoryPipeline, Settings
+from hermes_async_memory.recall.cache import RecallCache
+from hermes_async_memory.turns import Turn
 
 READERS = 2
+COMMITS = 30_000
 
 
 async def test_threads_reading_a_cached_session_never_get_an_empty_block(
@@ -112,8 +115,12 @@ def test_a_read_from_before_a_delete_does_not_put_the_session_back() -> None:
 
     cache = RecallCache(max_sessions=10, recent_turns=4, recent_chars=200)
     cache.set_recall("ann", "other", "q", "Related memory:\n- old words")
+    cache.set_recall("ann", "s1", "q", "Related memory:\n- s1 words")
+    assert "old words" in cache.get("ann", "other")  # read, so kept rendered
+    assert "s1 words" in cache.get("ann", "s1")
     epoch = cache.epoch()  # a reader starts here
     cache.forget_session("s1", "ann")
+    assert cache.get("ann", "s1") == ""
     assert "old words" not in cache.get("ann", "other")  # the user's blocks went too
     assert not cache.warm("ann", "s1", [("k1", "deleted words", "ok")], 0.0, epoch=epoch)
     cache.set_recall("ann", "other", "q", "Related memory:\n- deleted words", epoch=epoch)
@@ -144,3 +151,102 @@ def test_a_procedural_block_after_hits_all_shown_leaves_no_empty_heading() -> No
     cache.set_recall("ann", "s1", "q", f"{RECALL_HEADER}\n- [s9 user] other words\n\n"
                                        f"{procedural}")
     assert f"{RECALL_HEADER}\n- [s9 user] other words\n\n{procedural}" in cache.get("ann", "s1")
+
+
+def test_a_read_that_starts_after_a_change_shows_it_while_readers_race_the_writer() -> None:
+    """Invariant: a prefetch that starts after a commit landed in the cache shows that
+    commit (or a later one), on every read: a block rendered before the change and kept by
+    a reader on another thread is never served after it. Checked on each read of two reader
+    threads, and by the writer after each of its 30,000 commits, the GIL handed over as
+    often as it can be; the readers render, and keep, the block after most commits."""
+    cache = RecallCache(max_sessions=10, recent_turns=1, recent_chars=200)
+    landed = [-1]  # the last commit whose note_commits returned
+    stop = threading.Event()
+    behind: list[tuple[int, int]] = []
+    reads = [0] * READERS
+
+    def read(n: int) -> None:
+        while not stop.is_set():
+            floor = landed[0]
+            text = cache.get("u", "s")
+            reads[n] += 1
+            if floor < 0:
+                continue
+            shown = int(text.split("- user: turn ", 1)[1].split("\n", 1)[0])
+            if shown < floor:
+                behind.append((shown, floor))
+
+    threads = [threading.Thread(target=read, args=(n,)) for n in range(READERS)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    for t in threads:
+        t.start()
+    try:
+        for i in range(COMMITS):
+            cache.note_commits([_turn(i)], 0.0)
+            landed[0] = i
+            if f"- user: turn {i}\n" not in cache.get("u", "s") + "\n":  # the writer's own read
+                behind.append((-1, i))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+    assert sum(reads) > 10_000
+    assert not behind, f"{len(behind)} reads showed an older commit, e.g. {behind[:3]}"
+    assert f"turn {COMMITS - 1}" in cache.get("u", "s")
+
+
+def _turn(i: int) -> Turn:
+    """Commit ``i`` of session "s" of user "u", as the writer hands it to the cache."""
+    return Turn(key=f"k{i}", seq=i, session_id="s", user_id="u", accepted_at=0.0,
+                payload="{}", nbytes=2, segment=0, n_messages=2, tool_calls=0,
+                user_text=f"turn {i}", assistant_text="ok", source=None, model=None,
+                parent_session_id=None, input_tokens=0, output_tokens=0, has_nul=False)
+
+
+def test_a_block_rendered_while_a_commit_lands_is_not_kept_past_it() -> None:
+    """The interleaving the race above hits at random, made to happen: commit 1 lands while
+    a reader renders the block of commit 0. That read may show commit 0 (it started
+    first), but no later read may."""
+    cache = RecallCache(max_sessions=10, recent_turns=1, recent_chars=200)
+    cache.note_commits([_turn(0)], 0.0)
+    render = cache._render
+
+    def render_while_a_commit_lands(entry: object) -> str:
+        text = render(entry)  # type: ignore[arg-type]
+        cache.note_commits([_turn(1)], 0.0)
+        return text
+
+    cache._render = render_while_a_commit_lands  # type: ignore[method-assign]
+    assert "turn 0" in cache.get("u", "s")
+    cache._render = render  # type: ignore[method-assign]
+    assert "turn 1" in cache.get("u", "s")
+    assert "turn 1" in cache.get("u", "s")  # and when read again
+
+
+def test_a_commit_landing_as_a_reader_keeps_its_block_waits_for_it() -> None:
+    """A commit that lands just as a reader on another thread keeps the block it rendered
+    (its version checked, the block not yet kept) waits for the reader, then drops that
+    block: the next read shows the commit. Without the lock the commit would land in that
+    gap and the reader keep a block older than it."""
+    cache = RecallCache(max_sessions=10, recent_turns=1, recent_chars=200)
+    cache.note_commits([_turn(0)], 0.0)
+    landed = threading.Event()
+    writer = threading.Thread(target=lambda: (cache.note_commits([_turn(1)], 0.0),
+                                              landed.set()))
+
+    class KeepingHook(dict):  # type: ignore[type-arg]
+        def __setitem__(self, key: object, value: object) -> None:
+            if not writer.is_alive() and not landed.is_set():  # the first keep only
+                writer.start()
+                # The commit gets the whole window to land; with the lock it cannot, so
+                # this wait runs out (it is the observation window, not a hand-over).
+                assert not landed.wait(0.2), "the commit landed while the reader kept"
+            super().__setitem__(key, value)
+
+    cache.fresh = KeepingHook()
+    assert "turn 0" in cache.get("u", "s")
+    writer.join(timeout=10)
+    assert landed.is_set()
+    assert "turn 1" in cache.get("u", "s")

@@ -11,10 +11,18 @@ atomic under the GIL, and an entry is never taken out of the dict to be moved (t
 is kept with ``OrderedDict.move_to_end``), so a reader never misses an entry that is there.
 A writer bumps an entry's version after each change and a reader keeps its rendering only
 tagged with the version it rendered, so a render that raced a change is never served after it.
+
+``fresh`` holds the rendered text of the entries that have not changed since: the warm path
+is a ``fresh.get`` (no entry, no version compare). A change takes the entry's text out of
+``fresh`` with its version bump, and a reader puts a rendering in only if the version it
+rendered is still the entry's: the two under ``_lock`` (a writer's batch takes it once), so a
+text is in ``fresh`` only while it is its entry's current one. The lock is never taken on
+the warm path.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -74,6 +82,10 @@ class RecallCache:
                  clock: Callable[[], float] = time.monotonic,
                  fence: Fence = DEFAULT_FENCE) -> None:
         self._entries: OrderedDict[CacheKey, _Entry] = OrderedDict()
+        # Each unchanged entry's rendered text (see the module's docstring); never rebound,
+        # so a reader may keep a reference to it.
+        self.fresh: dict[CacheKey, str] = {}
+        self._lock = threading.Lock()
         # The sessions cached for each user: who to refresh when a user's memory changes.
         self._by_user: dict[str | None, dict[str, None]] = {}
         self._max = max_sessions
@@ -109,7 +121,12 @@ class RecallCache:
         Raises:
             TypeError: an id is not hashable (so not an id).
         """
-        entry = self._entries.get((user_id, session_id))  # type: ignore[arg-type]
+        key: CacheKey = (user_id, session_id)  # type: ignore[assignment]
+        text = self.fresh.get(key)
+        if text is not None:
+            self.hits += 1
+            return text
+        entry = self._entries.get(key)
         if entry is None:
             return None
         rendered = entry.rendered
@@ -119,6 +136,9 @@ class RecallCache:
             entry.rendered = (version, text)
         else:
             text = rendered[1]
+        with self._lock:  # only the current version's text, of an entry still cached
+            if entry.version == version and self._entries.get(key) is entry:
+                self.fresh[key] = text
         self.hits += 1
         return text
 
@@ -180,18 +200,22 @@ class RecallCache:
         """A committed batch's turns, in order, into their sessions' recent turns, with one
         ``on_change`` after them all."""
         limit, touch, inert = self._recent_chars, self._touch, self._fence.neutralize
-        for t in turns:
-            if t.kind != TURN:  # an operation: no session's turn
-                if t.kind == OP_SESSION and _deletes(t):
-                    self.forget_session(t.session_id, t.user_id)
-                continue
-            entry = touch((t.user_id, t.session_id))
-            entry.recent.append((t.key, inert(_clip(t.user_text, limit)),
-                                 inert(_clip(t.assistant_text, limit))))
-            entry.last_turn_key = t.key
-            entry.turns_committed += 1
-            entry.committed_mono = now
-            entry.version += 1
+        fresh = self.fresh
+        with self._lock:
+            for t in turns:
+                if t.kind != TURN:  # an operation: no session's turn
+                    if t.kind == OP_SESSION and _deletes(t):
+                        self._forget(t.session_id, t.user_id)
+                    continue
+                key = (t.user_id, t.session_id)
+                entry = touch(key)
+                entry.recent.append((t.key, inert(_clip(t.user_text, limit)),
+                                     inert(_clip(t.assistant_text, limit))))
+                entry.last_turn_key = t.key
+                entry.turns_committed += 1
+                entry.committed_mono = now
+                entry.version += 1
+                fresh.pop(key, None)
         if turns:
             self.on_change()
 
@@ -210,6 +234,14 @@ class RecallCache:
     def forget_session(self, session_id: str, user_id: str | None) -> None:
         """A deleted session: its entries go, and so do the recall blocks of its user's other
         sessions (a block may quote it) until their next recall."""
+        with self._lock:
+            changed = self._forget(session_id, user_id)
+        if changed:
+            self.on_change()
+
+    def _forget(self, session_id: str, user_id: str | None) -> bool:
+        """``forget_session`` under the lock, without ``on_change``: whether it changed
+        anything."""
         self._deletes += 1
         marks = [("s", session_id)] + ([("u", user_id)] if user_id is not None else [])
         for mark in marks:
@@ -224,13 +256,13 @@ class RecallCache:
             self._unindex(key)
         dropped = 0
         if user_id is not None:
-            for (user, _), entry in entries.items():
-                if user == user_id and entry.recall_block:
+            for key, entry in entries.items():
+                if key[0] == user_id and entry.recall_block:
                     entry.recall_block, entry.recall_query, entry.recall_mono = "", None, None
                     entry.version += 1
+                    self.fresh.pop(key, None)
                     dropped += 1
-        if gone or dropped:
-            self.on_change()
+        return bool(gone or dropped)
 
     def warm(self, user_id: str | None, session_id: str,
              turns: list[tuple[str, str, str]], now: float, *, epoch: int | None = None) -> bool:
@@ -239,9 +271,18 @@ class RecallCache:
         session's block changed. Dropped when the session was deleted after ``epoch``."""
         if self._stale(user_id, session_id, epoch):
             return False
+        with self._lock:
+            changed = self._warm(user_id, session_id, turns, now)
+        if changed:
+            self.on_change()
+        return changed
+
+    def _warm(self, user_id: str | None, session_id: str, turns: list[tuple[str, str, str]],
+              now: float) -> bool:
+        """``warm`` under the lock, without ``on_change``."""
         key = (user_id, session_id)
         entry = self._entries.get(key)
-        fresh = entry is None
+        new = entry is None
         if entry is None:
             if not turns:
                 return False
@@ -258,13 +299,13 @@ class RecallCache:
         merged += list(entry.recent)
         entry.recent.clear()
         entry.recent.extend(merged)  # the deque keeps the newest recent_turns
-        if fresh:  # what the cache reflects is the stored history
+        if new:  # what the cache reflects is the stored history
             entry.last_turn_key = older[-1][0]
             entry.committed_mono = now
             entry.turns_committed = len(older)
         # Otherwise the entry reflects this process's commits; their count and last turn stay.
         entry.version += 1
-        self.on_change()
+        self.fresh.pop(key, None)
         return True
 
     def set_recall(self, user_id: str | None, session_id: str, query: str, block: str,
@@ -280,17 +321,19 @@ class RecallCache:
             return  # read before a delete of the session or of its user's other session
         # The local block's stored text is inert already; a backend's block is made so here.
         block = self._fence.neutralize(block)
-        entry = self._touch((user_id, session_id))
-        if fallback and entry.recall_block and entry.recall_source != "local":
-            entry.recall_stale = True
-            self.on_change()
-            return
-        entry.recall_block = block
-        entry.recall_query = query
-        entry.recall_mono = self._clock()
-        entry.recall_source = source
-        entry.recall_stale = False
-        entry.version += 1
+        key = (user_id, session_id)
+        with self._lock:
+            entry = self._touch(key)
+            if fallback and entry.recall_block and entry.recall_source != "local":
+                entry.recall_stale = True  # not shown in the block: its text stays
+            else:
+                entry.recall_block = block
+                entry.recall_query = query
+                entry.recall_mono = self._clock()
+                entry.recall_source = source
+                entry.recall_stale = False
+                entry.version += 1
+                self.fresh.pop(key, None)
         self.on_change()
 
     def _touch(self, key: CacheKey) -> _Entry:
@@ -307,6 +350,8 @@ class RecallCache:
         return entry
 
     def _unindex(self, key: CacheKey) -> None:
+        """A key whose entry left the cache (under the lock)."""
+        self.fresh.pop(key, None)
         sessions = self._by_user.get(key[0])
         if sessions is not None:
             sessions.pop(key[1], None)
