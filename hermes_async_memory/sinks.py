@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from .message_ids import MessageIds
-from .slices import CHUNK, maybe_yield
+from .slices import CHUNK, maybe_yield, runs
 from .sources import judge_all
 from .store import Batch, SqliteStore
 from .store.tool_log import ToolLogConfig
@@ -34,10 +34,10 @@ async def build_batch(turns: Sequence[Turn], source: str, ids: MessageIds | None
         await judge_all(items, tool_log.rules)
         turns = cast("list[Turn]", items)  # judge_all keeps each item's kind
     batch = Batch(source, ids)
-    for i in range(0, len(turns), CHUNK):
-        if i:
+    for step, (a, b) in enumerate(runs([t.nbytes for t in turns])):
+        if step:
             await maybe_yield()
-        batch.add(turns[i : i + CHUNK])
+        batch.add(turns[a:b])
     for _ in batch.seal(CHUNK):
         await maybe_yield()
     return batch

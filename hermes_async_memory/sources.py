@@ -19,7 +19,7 @@ from .barrier import CommitBarrier
 from .errors import describe
 from .outbox import Outbox, Record
 from .procedural.extract import OutcomeRules
-from .slices import CHUNK, maybe_yield
+from .slices import CHUNK, CHUNK_BYTES, maybe_yield, runs
 from .store.tool_log import outcome_row
 from .turns import UNJUDGED, Turn
 from .writer import Unreadable, Work
@@ -104,7 +104,8 @@ class OutboxSource:
         recovering = bool(self.outbox.unread()) and self._reading_recovered()
         used = 0
         while (n := len(into) - start) < max_turns and used < max_bytes:
-            chunk = self.outbox.read(min(CHUNK, max_turns - n), max_bytes - used,
+            chunk = self.outbox.read(min(CHUNK, max_turns - n),
+                                     min(CHUNK_BYTES, max_bytes - used),
                                      recovered_only=recovering)
             if not chunk:
                 break
@@ -147,26 +148,30 @@ class OutboxSource:
 
 async def decode_all(records: Sequence[Record], items: list[Turn | Unreadable]
                       ) -> list[Turn | Unreadable]:
-    """Decode ``records`` past the ``len(items)`` already decoded into ``items``, a chunk at a
-    time; returns ``items``."""
-    for i in range(len(items), len(records)):
-        items.append(decode(records[i]))
-        if i % CHUNK == CHUNK - 1:
+    """Decode ``records`` past the ``len(items)`` already decoded into ``items``, a run of
+    them (``slices.runs``) a step; returns ``items``."""
+    first = len(items)
+    for step, (a, b) in enumerate(runs([len(r.payload) for r in records[first:]])):
+        if step:
             await maybe_yield()
+        items.extend([decode(r) for r in records[first + a : first + b]])
+    await maybe_yield()
     return items
 
 
 async def judge_all(items: list[Turn | Unreadable], rules: OutcomeRules) -> None:
-    """Judge the tool answers of the turns in ``items`` not judged yet (in place), ``CHUNK``
-    answers a step: the tool log's outcomes, worked out on the loop (``Turn.answers``)."""
-    judged = 0
-    for i, item in enumerate(items):
-        if isinstance(item, Turn) and item.answers and item.answers[0][2] is UNJUDGED:
-            items[i] = item.with_outcomes(lambda content: outcome_row(content, rules))
-            judged += len(item.answers)
-        if judged >= CHUNK or i % CHUNK == CHUNK - 1:  # the scan alone of 2,000 turns: ~0.3 ms
-            judged = 0
+    """Judge the tool answers of the turns in ``items`` not judged yet (in place), a run of
+    turns (``slices.runs``, by their records' size) a step: the tool log's outcomes, worked
+    out on the loop (``Turn.answers``). The scan alone of 2,000 turns takes ~0.3 ms."""
+    sizes = [item.nbytes if isinstance(item, Turn) else 0 for item in items]
+    for step, (a, b) in enumerate(runs(sizes)):
+        if step:
             await maybe_yield()
+        for i in range(a, b):
+            item = items[i]
+            if isinstance(item, Turn) and item.answers and item.answers[0][2] is UNJUDGED:
+                items[i] = item.with_outcomes(lambda content: outcome_row(content, rules))
+    await maybe_yield()
 
 
 def decode(record: Record) -> Turn | Unreadable:

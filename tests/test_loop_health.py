@@ -148,3 +148,69 @@ async def test_a_backlog_adds_nothing_to_garbage_collection(settings: Settings) 
         assert mem.stats().queued_turns == 10_000
         assert grown < 500, f"{grown} tracked objects for 10,000 queued turns"
         await mem.flush()
+
+
+async def test_big_tool_turns_are_decoded_and_judged_in_short_steps(
+    settings: Settings, quiet_collector: None, callback_clock: list[tuple[float, float, str]]
+) -> None:
+    """Turns whose tool answers are large (two reads of a 16 KB file each): decoding a
+    record and judging its answers cost in proportion to its size, so the writer's steps
+    end by bytes as well as by count. Before, a step was 50 records whatever their size:
+    here ~1.6 MB of JSON decoded and judged in one step, 20-40 ms of CPU."""
+    big = "".join(f"line {i}: def handler_{i}(request): return respond(request)\n"
+                  for i in range(300))  # ~16 KB, as a read_file answer would be
+    turns = 600
+
+    async with MemoryPipeline(settings.replace(tool_log=True)) as mem:
+        mem.sync_turn("warm up", "the code paths", session_id="warm")
+        await mem.flush()
+        callback_clock.clear()
+
+        async def produce() -> None:
+            for j in range(turns):
+                calls = [{"id": f"c{j}-{k}", "type": "function",
+                          "function": {"name": "read_file",
+                                       "arguments": f'{{"path": "src/m{k}.py"}}'}}
+                         for k in range(2)]
+                messages = [
+                    {"role": "user", "content": f"what does module {j} do?"},
+                    {"role": "assistant", "content": "", "tool_calls": calls},
+                    *({"role": "tool", "tool_call_id": f"c{j}-{k}", "name": "read_file",
+                       "content": big} for k in range(2)),
+                    {"role": "assistant", "content": f"module {j} handles requests"},
+                ]
+                mem.sync_turn(f"what does module {j} do?", f"module {j} handles requests",
+                              session_id=f"s{j % 50}", user_id=f"u{j % 10}",
+                              messages=messages)
+                await asyncio.sleep(0)
+            await mem.flush()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(produce, name="producer")
+        assert mem.stats().committed_turns == turns + 1
+        logged = await mem.procedural.search("u0", tool="read_file", limit=1000)
+        assert len(logged) == 2 * turns // 10  # every call of u0's turns, logged
+        assert all(call.ok for call in logged)  # and judged: a file's text is a success
+
+    pipeline = sorted((c, name) for c, _, name in callback_clock if name != "producer")
+    assert len(pipeline) > 100
+    assert pipeline[-1][0] < STALL_LIMIT_S, (
+        f"slowest pipeline callbacks (CPU ms, task) "
+        f"{[(round(c * 1e3, 2), n) for c, n in pipeline[-3:]]}")
+
+
+def test_a_step_ends_at_fifty_records_or_at_32_kib_of_them() -> None:
+    """``slices.runs``: every record in exactly one run, in order; a run ends at CHUNK
+    records or at the record that brings it to CHUNK_BYTES (a record bigger than that is a
+    run of its own)."""
+    from hermes_async_memory.slices import CHUNK, CHUNK_BYTES, runs
+
+    sizes = [100] * 120 + [40_000] + [10_000] * 7 + [1]
+    got = list(runs(sizes))
+    assert [i for a, b in got for i in range(a, b)] == list(range(len(sizes)))
+    for a, b in got:
+        assert 0 < b - a <= CHUNK
+        assert sum(sizes[a : b - 1]) < CHUNK_BYTES
+    assert got == [(0, 50), (50, 100), (100, 121), (121, 125), (125, 129)]
+    assert list(runs([50_000, 50_000])) == [(0, 1), (1, 2)]
+    assert list(runs([])) == []

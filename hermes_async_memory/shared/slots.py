@@ -31,7 +31,7 @@ from ..outbox import Outbox, OutboxBusyError, Record, Recovery, os_error
 from ..retry import Backoff, retry_transient
 from ..settings import Settings
 from ..sinks import ForwardSink
-from ..slices import CHUNK, maybe_yield
+from ..slices import CHUNK, CHUNK_BYTES, maybe_yield
 from ..sources import decode_all
 from ..turns import Turn
 
@@ -114,8 +114,11 @@ class ProducerSlots:
         while True:
             records: list[Record] = []
             left = self._settings.max_batch_bytes
-            for _ in range(10):  # up to ten chunks a batch, the loop running between reads
-                chunk = outbox.read(CHUNK, left) if left > 0 else []
+            # Up to ten chunks' records a batch, a chunk (or CHUNK_BYTES) a read, the loop
+            # running between reads.
+            while len(records) < 10 * CHUNK and left > 0:
+                chunk = outbox.read(min(CHUNK, 10 * CHUNK - len(records)),
+                                    min(CHUNK_BYTES, left))
                 if not chunk:
                     break
                 records += chunk
