@@ -15,9 +15,9 @@ tagged with the version it rendered, so a render that raced a change is never se
 ``fresh`` holds the rendered text of the entries that have not changed since: the warm path
 is a ``fresh.get`` (no entry, no version compare). A change takes the entry's text out of
 ``fresh`` with its version bump, and a reader puts a rendering in only if the version it
-rendered is still the entry's: the two under ``_lock`` (a writer's batch takes it once), so a
-text is in ``fresh`` only while it is its entry's current one. The lock is never taken on
-the warm path.
+rendered is still the entry's (and the entry is still cached): each of those under
+``_lock``, held for a few operations, so a text is in ``fresh`` only while it is its
+entry's current one. The lock is never taken on the warm path.
 """
 
 from __future__ import annotations
@@ -199,23 +199,21 @@ class RecallCache:
     def note_commits(self, turns: Sequence[Turn], now: float) -> None:
         """A committed batch's turns, in order, into their sessions' recent turns, with one
         ``on_change`` after them all."""
-        limit, touch, inert = self._recent_chars, self._touch, self._fence.neutralize
-        fresh = self.fresh
-        with self._lock:
-            for t in turns:
-                if t.kind != TURN:  # an operation: no session's turn
-                    if t.kind == OP_SESSION and _deletes(t):
-                        self._forget(t.session_id, t.user_id)
-                    continue
-                key = (t.user_id, t.session_id)
-                entry = touch(key)
-                entry.recent.append((t.key, inert(_clip(t.user_text, limit)),
-                                     inert(_clip(t.assistant_text, limit))))
-                entry.last_turn_key = t.key
-                entry.turns_committed += 1
-                entry.committed_mono = now
-                entry.version += 1
-                fresh.pop(key, None)
+        limit, touch, inert, bump = (self._recent_chars, self._touch,
+                                     self._fence.neutralize, self._bump)
+        for t in turns:
+            if t.kind != TURN:  # an operation: no session's turn
+                if t.kind == OP_SESSION and _deletes(t):
+                    self._forget(t.session_id, t.user_id)
+                continue
+            key = (t.user_id, t.session_id)
+            entry = touch(key)
+            entry.recent.append((t.key, inert(_clip(t.user_text, limit)),
+                                 inert(_clip(t.assistant_text, limit))))
+            entry.last_turn_key = t.key
+            entry.turns_committed += 1
+            entry.committed_mono = now
+            bump(key, entry)
         if turns:
             self.on_change()
 
@@ -234,14 +232,11 @@ class RecallCache:
     def forget_session(self, session_id: str, user_id: str | None) -> None:
         """A deleted session: its entries go, and so do the recall blocks of its user's other
         sessions (a block may quote it) until their next recall."""
-        with self._lock:
-            changed = self._forget(session_id, user_id)
-        if changed:
+        if self._forget(session_id, user_id):
             self.on_change()
 
     def _forget(self, session_id: str, user_id: str | None) -> bool:
-        """``forget_session`` under the lock, without ``on_change``: whether it changed
-        anything."""
+        """``forget_session`` without ``on_change``: whether it changed anything."""
         self._deletes += 1
         marks = [("s", session_id)] + ([("u", user_id)] if user_id is not None else [])
         for mark in marks:
@@ -251,16 +246,16 @@ class RecallCache:
             self._deleted.popitem(last=False)
         entries = self._entries
         gone = [key for key in entries if key[1] == session_id]
-        for key in gone:
-            del entries[key]
-            self._unindex(key)
+        with self._lock:
+            for key in gone:
+                del entries[key]
+                self._unindex(key)
         dropped = 0
         if user_id is not None:
             for key, entry in entries.items():
                 if key[0] == user_id and entry.recall_block:
                     entry.recall_block, entry.recall_query, entry.recall_mono = "", None, None
-                    entry.version += 1
-                    self.fresh.pop(key, None)
+                    self._bump(key, entry)
                     dropped += 1
         return bool(gone or dropped)
 
@@ -271,15 +266,6 @@ class RecallCache:
         session's block changed. Dropped when the session was deleted after ``epoch``."""
         if self._stale(user_id, session_id, epoch):
             return False
-        with self._lock:
-            changed = self._warm(user_id, session_id, turns, now)
-        if changed:
-            self.on_change()
-        return changed
-
-    def _warm(self, user_id: str | None, session_id: str, turns: list[tuple[str, str, str]],
-              now: float) -> bool:
-        """``warm`` under the lock, without ``on_change``."""
         key = (user_id, session_id)
         entry = self._entries.get(key)
         new = entry is None
@@ -304,8 +290,8 @@ class RecallCache:
             entry.committed_mono = now
             entry.turns_committed = len(older)
         # Otherwise the entry reflects this process's commits; their count and last turn stay.
-        entry.version += 1
-        self.fresh.pop(key, None)
+        self._bump(key, entry)
+        self.on_change()
         return True
 
     def set_recall(self, user_id: str | None, session_id: str, query: str, block: str,
@@ -322,19 +308,24 @@ class RecallCache:
         # The local block's stored text is inert already; a backend's block is made so here.
         block = self._fence.neutralize(block)
         key = (user_id, session_id)
-        with self._lock:
-            entry = self._touch(key)
-            if fallback and entry.recall_block and entry.recall_source != "local":
-                entry.recall_stale = True  # not shown in the block: its text stays
-            else:
-                entry.recall_block = block
-                entry.recall_query = query
-                entry.recall_mono = self._clock()
-                entry.recall_source = source
-                entry.recall_stale = False
-                entry.version += 1
-                self.fresh.pop(key, None)
+        entry = self._touch(key)
+        if fallback and entry.recall_block and entry.recall_source != "local":
+            entry.recall_stale = True  # not shown in the block: its text stays
+        else:
+            entry.recall_block = block
+            entry.recall_query = query
+            entry.recall_mono = self._clock()
+            entry.recall_source = source
+            entry.recall_stale = False
+            self._bump(key, entry)
         self.on_change()
+
+    def _bump(self, key: CacheKey, entry: _Entry) -> None:
+        """An entry just changed: a new version, and its kept block goes (see the module's
+        docstring: a reader keeps a block under the same lock)."""
+        with self._lock:
+            entry.version += 1
+            self.fresh.pop(key, None)
 
     def _touch(self, key: CacheKey) -> _Entry:
         entries = self._entries
@@ -344,7 +335,8 @@ class RecallCache:
             entries[key] = entry
             self._by_user.setdefault(key[0], {})[key[1]] = None
             while len(entries) > self._max:
-                self._unindex(entries.popitem(last=False)[0])
+                with self._lock:
+                    self._unindex(entries.popitem(last=False)[0])
         else:
             entries.move_to_end(key)  # in place: a reader on another thread still finds it
         return entry
