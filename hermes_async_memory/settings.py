@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -261,6 +262,30 @@ class Settings:
         if self.outbox_segment_bytes < 64 * 1024:
             raise ConfigurationError("outbox_segment_bytes must be at least 64 KiB")
         self._check_postgres()
+        self._check_tool_rules()
+
+    def _check_tool_rules(self) -> None:
+        """``tool_outcome_rules`` judges every tool answer on the writer's path: a pattern
+        that does not compile, or a key list given as one string (read letter by letter),
+        is refused here rather than misjudging every answer later."""
+        rules = self.tool_outcome_rules
+        if not isinstance(rules, OutcomeRules):
+            raise ConfigurationError(
+                f"tool_outcome_rules must be an OutcomeRules, got {type(rules).__name__}")
+        for f in dataclasses.fields(rules):
+            value = getattr(rules, f.name)
+            name = f"tool_outcome_rules.{f.name}"
+            if f.name == "exception_pattern":
+                if not isinstance(value, str):
+                    raise ConfigurationError(f"{name} must be a string, got {value!r}")
+                try:
+                    re.compile(value)
+                except re.error as exc:
+                    raise ConfigurationError(
+                        f"{name} is not a regular expression: {exc}") from None
+            elif isinstance(value, (str, bytes)) or not (
+                    isinstance(value, (tuple, list)) and all(isinstance(v, str) for v in value)):
+                raise ConfigurationError(f"{name} must be a tuple of strings, got {value!r}")
 
     def _check_fence_tags(self) -> None:
         tags = self.fence_tags

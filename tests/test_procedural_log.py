@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory import ConfigurationError, MemoryPipeline, Settings
 from hermes_async_memory.procedural.extract import OutcomeRules, calls_in, judge
 
 from .test_outbox import run_child_until
@@ -167,6 +167,34 @@ async def test_outcome_rules_are_settings(tmp_path: Path) -> None:
     assert got == {"k1": False, "k2": True}  # exit codes are not a rule here
     assert [c.outcome.ok for c in calls_in(msgs)] == [True, False]  # the default rules
 
+
+
+async def test_a_pattern_of_ones_own_without_a_type_group_judges_failures(
+        tmp_path: Path) -> None:
+    """A user's exception pattern need not name a group "type": a matching answer is a
+    failure (its type read from the text, else "exception"). Before, every match raised
+    inside the judge and was logged as a success."""
+    rules = OutcomeRules(exception_pattern=r"(?m)^FATAL\b")
+    msgs = turn("back up", [call("f1", "backup", disk="a"), call("f2", "backup", disk="b")],
+                {"f1": "FATAL disk full", "f2": "copied 3 files"})
+    async with MemoryPipeline(Settings(db_path=tmp_path / "m.db",
+                                       tool_outcome_rules=rules)) as mem:
+        await write(mem, [msgs])
+        got = {c.call_id: (c.ok, c.error_type) for c in await mem.procedural.search("ann")}
+    assert got == {"f1": (False, "exception"), "f2": (True, None)}
+
+
+@pytest.mark.parametrize(("rules", "field"), [
+    (OutcomeRules(exception_pattern="(unclosed"), "exception_pattern"),
+    (OutcomeRules(status_keys="status"), "status_keys"),  # type: ignore[arg-type]
+    (OutcomeRules(error_keys=("error", 3)), "error_keys"),  # type: ignore[arg-type]
+])
+def test_outcome_rules_that_cannot_judge_are_refused_at_settings(
+        tmp_path: Path, rules: OutcomeRules, field: str) -> None:
+    """A pattern that does not compile, or a key list given as one string (read letter by
+    letter), is a typed error when the settings are made, naming the field."""
+    with pytest.raises(ConfigurationError, match=f"tool_outcome_rules.{field}"):
+        Settings(db_path=tmp_path / "m.db", tool_outcome_rules=rules)
 
 def test_default_rules_each_kind_of_answer() -> None:
     assert judge('{"status": "failed", "message": "x"}').ok is False

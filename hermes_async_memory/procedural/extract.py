@@ -124,7 +124,8 @@ def judge(content: Any, rules: OutcomeRules = OutcomeRules()) -> Outcome:
         text = "\n".join(v for v in doc.values() if isinstance(v, str))
     match = _compiled(pattern).search(text)
     if match is not None:
-        kind: str = match.group("type") or _last_exception_type(text) or "exception"
+        # A pattern of the user's may have no group named "type".
+        kind: str = match.groupdict().get("type") or _last_exception_type(text) or "exception"
         lines = text[match.start():].splitlines()
         if match.group(0).startswith("Traceback"):
             tail = [x for x in text.splitlines() if x.strip()]
