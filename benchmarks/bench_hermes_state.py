@@ -21,10 +21,10 @@ round-robin over the sessions, as a gateway serving them all would.
    commit; no write is pending during the timed reads, checked before and after):
    ``get_session``, ``get_messages`` of a 50-message session, ``search_messages`` of a
    mid-frequency word (in 0.3-3 % of messages, so a full page of 20 hits), and a session
-   listing. Hermes's listing is ``list_sessions_rich``; ours has no such method yet, so
-   unless both have it the listing rows are the reads both stores have that list or
-   summarise sessions: ``session_count(source=...)``, ``export_session`` (a session with its
-   messages) and ``export_all(source=...)`` (every session of a source with its messages).
+   listing, ``list_sessions_rich`` (a read is timed only when both stores have it). Beside
+   it, three more reads that list or summarise sessions, from before ours had the listing:
+   ``session_count(source=...)``, ``export_session`` (a session with its messages) and
+   ``export_all(source=...)`` (every session of a source with its messages).
    Same arguments, same order for both; the stores alternate in 8 chunks per read. p50 and
    p99 each; goal: ours within 1.5x Hermes's at both.
 3. **Appends paced** (single thread, a 1 ms sleep before each call, 2,000 calls): a
