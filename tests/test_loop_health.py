@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import time
 from collections.abc import Iterator
 
@@ -214,3 +215,43 @@ def test_a_step_ends_at_fifty_records_or_at_32_kib_of_them() -> None:
     assert got == [(0, 50), (50, 100), (100, 121), (121, 125), (125, 129)]
     assert list(runs([50_000, 50_000])) == [(0, 1), (1, 2)]
     assert list(runs([])) == []
+
+
+async def test_a_recall_builds_a_long_procedural_block_in_short_steps(
+    settings: Settings, quiet_collector: None, callback_clock: list[tuple[float, float, str]]
+) -> None:
+    """A recall's procedural block reads a tool's error patterns with their fixes (50 a
+    type) and its success hints (200 calls), and works them in Python on the loop: a few
+    rows a step. Before, each error type's 50 fixes were one step; with large arguments,
+    over the bound here."""
+    big = {f"option_{k}": f"value {k} " * 8 for k in range(40)}
+    async with MemoryPipeline(settings.replace(tool_log=True)) as mem:
+        n = 0
+        for kind in ("Timeout", "Permission", "Value"):
+            for attempt in range(50):
+                for ok in (False, True):  # a failure, then the call that fixed it
+                    n += 1
+                    args = {**big, "attempt": attempt, "fixed": ok}
+                    answer = ({"status": "ok"} if ok
+                              else {"error": f"{kind}Error: deploy {attempt} failed"})
+                    messages = [
+                        {"role": "user", "content": f"deploy the service, try {n}"},
+                        {"role": "assistant", "content": "", "tool_calls": [
+                            {"id": f"c{n}", "type": "function",
+                             "function": {"name": "deploy", "arguments": json.dumps(args)}}]},
+                        {"role": "tool", "tool_call_id": f"c{n}", "content": json.dumps(answer)},
+                        {"role": "assistant", "content": "done" if ok else "it failed"},
+                    ]
+                    mem.sync_turn(messages[0]["content"], messages[-1]["content"],
+                                  session_id="ops", user_id="ann", messages=messages)
+        await mem.flush()
+        callback_clock.clear()
+        mem.queue_prefetch("deploy the service again", session_id="ops", user_id="ann")
+        await mem.wait_until(
+            lambda: mem.prefetch_status("ops", user_id="ann").recall_query is not None,
+            timeout=30)
+        block = mem.prefetch("", session_id="ops", user_id="ann")
+    assert "<procedural" in block and "deploy" in block
+    pipeline = sorted((c, name) for c, _, name in callback_clock)
+    assert pipeline[-1][0] < STALL_LIMIT_S, (
+        f"slowest callbacks (CPU ms, task) {[(round(c * 1e3, 2), n) for c, n in pipeline[-3:]]}")

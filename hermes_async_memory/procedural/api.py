@@ -12,12 +12,16 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..slices import maybe_yield
 from ..store import CallRow, SqliteStore
 from .extract import arg_delta
 from .model import ArgDelta, ErrorPattern, Fix, SuccessHint, ToolCall, ToolStats
 
 HINT_SAMPLE = 200  # recent successes a tool's success hints are drawn from
 FIX_SAMPLE = 50  # recent fixed failures an error's typical fix is drawn from
+# Rows worked a step between the loop's other callbacks (slices.maybe_yield): a recall builds
+# the procedural block on the event loop, and 50 fixes in one step took ~8 ms.
+_STEP = 10
 _WORD = re.compile(r"\w{3,}")
 
 
@@ -81,17 +85,17 @@ class ProceduralMemory:
         words = set(_WORD.findall(goal.lower()))
         rows = await self._store.tool_call_search(uid, tools=[tool] if tool else None,
                                                   ok=True, limit=HINT_SAMPLE)
-        by_tool: dict[str, list[tuple[int, CallRow]]] = {}
-        for r in rows:
+        parsed = await _parsed_arguments(rows)
+        by_tool: dict[str, list[tuple[int, CallRow, Any]]] = {}
+        for r, a in zip(rows, parsed, strict=True):
             score = len(words & set(_WORD.findall((r.goal or "").lower())))
-            by_tool.setdefault(r.tool, []).append((score, r))
+            by_tool.setdefault(r.tool, []).append((score, r, a))
         hints = []
         for scored in by_tool.values():
-            best = max(s for s, _ in scored)
-            chosen = [r for s, r in scored if s == best]
-            hints.append((best, SuccessHint(arguments=typical_arguments(
-                _args(r.arguments) for r in chosen), count=len(chosen), goal=goal,
-                tool=chosen[0].tool)))
+            best = max(s for s, _, _ in scored)
+            chosen = [(r, a) for s, r, a in scored if s == best]
+            hints.append((best, SuccessHint(arguments=await typical_arguments(
+                a for _, a in chosen), count=len(chosen), goal=goal, tool=chosen[0][0].tool)))
         hints.sort(key=lambda h: (-h[0], -h[1].count))
         return [h for _, h in hints[:limit]]
 
@@ -123,14 +127,15 @@ class ProceduralMemory:
                                                   limit=HINT_SAMPLE)
         if not rows:
             return []
-        hints = [SuccessHint(arguments=typical_arguments(_args(r.arguments) for r in rows),
-                             count=len(rows))]
+        parsed = await _parsed_arguments(rows)
+        hints = [SuccessHint(arguments=await typical_arguments(parsed), count=len(rows))]
         goals = Counter(r.goal for r in rows if r.goal)
         for goal, n in goals.most_common(limit - 1):
             if n < 2:
                 break
-            same = [_args(r.arguments) for r in rows if r.goal == goal]
-            hints.append(SuccessHint(arguments=typical_arguments(same), count=n, goal=goal))
+            same = [a for r, a in zip(rows, parsed, strict=True) if r.goal == goal]
+            hints.append(SuccessHint(arguments=await typical_arguments(same), count=n,
+                                     goal=goal))
         return hints[:limit]
 
     async def _calls(self, rows: Sequence[CallRow]) -> list[ToolCall]:
@@ -143,7 +148,9 @@ class ProceduralMemory:
         ids = [r.fixed_by for r in failures if r.fixed_by is not None]
         fixing = {r.id: r for r in await self._store.tool_calls_by_id(ids)}
         out = []
-        for r in failures:
+        for i, r in enumerate(failures):
+            if i % _STEP == _STEP - 1:  # a recall runs this on the loop: ~40 µs a fix
+                await maybe_yield()
             f = fixing.get(r.fixed_by) if r.fixed_by is not None else None
             if f is None:  # the fixing call was trimmed from the log
                 continue
@@ -152,21 +159,43 @@ class ProceduralMemory:
         return out
 
 
-def typical_arguments(args: Iterable[Any]) -> dict[str, Any]:
-    """Per argument key found in at least half of the calls, its most frequent value."""
-    values: dict[str, Counter[str]] = {}
+async def typical_arguments(args: Iterable[Any]) -> dict[str, Any]:
+    """Per argument key found in at least half of the calls, its most frequent value;
+    ``_STEP`` calls a step (a recall runs this on the loop)."""
+    values: dict[str, Counter[Any]] = {}
     n = 0
     for a in args:
         n += 1
+        if n % _STEP == 0:
+            await maybe_yield()
         if not isinstance(a, dict):
             a = {"": a}
         for k, v in a.items():
-            values.setdefault(k, Counter())[json.dumps(v, sort_keys=True, default=str)] += 1
+            counts = values.get(k)
+            if counts is None:
+                counts = values[k] = Counter()
+            counts[_value_key(v)] += 1
     out = {}
     for k, counts in values.items():
         if sum(counts.values()) * 2 >= n:
-            out[k] = json.loads(counts.most_common(1)[0][0])
+            out[k] = _key_value(counts.most_common(1)[0][0])
     return out
+
+
+# How typical_arguments tells values apart: text, a whole number, a bool and None as
+# themselves, tagged with their kind (1, True and "1" are three values); anything else by
+# its JSON (sorted keys). A recall counts every key of up to HINT_SAMPLE calls: a json.dumps
+# each took ~25 ms on the loop for 200 calls of 40 keys.
+_PLAIN_KINDS = {str: "s", int: "i", bool: "b", type(None): "n"}
+
+
+def _value_key(v: Any) -> Any:
+    kind = _PLAIN_KINDS.get(type(v))
+    return (kind, v) if kind is not None else json.dumps(v, sort_keys=True, default=str)
+
+
+def _key_value(key: Any) -> Any:
+    return key[1] if isinstance(key, tuple) else json.loads(key)
 
 
 def _uid(user_id: str | None) -> str:
@@ -175,6 +204,17 @@ def _uid(user_id: str | None) -> str:
     if not isinstance(user_id, str) or not user_id:
         raise ValueError("user_id must be a non-empty string or None")
     return user_id
+
+
+async def _parsed_arguments(rows: Sequence[CallRow]) -> list[Any]:
+    """Each row's arguments read from their JSON, ``_STEP`` rows a step (a recall reads up
+    to HINT_SAMPLE of them on the loop)."""
+    out = []
+    for i, r in enumerate(rows):
+        if i % _STEP == _STEP - 1:
+            await maybe_yield()
+        out.append(_args(r.arguments))
+    return out
 
 
 def _args(text: str) -> Any:
