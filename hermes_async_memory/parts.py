@@ -259,7 +259,7 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
                            clock=p.clock)
     source = OutboxSource(outbox, p.barrier)
     if commits and store.tool_log is not None:
-        source.tool_rules = store.tool_log.rules
+        source.tool_log = store.tool_log
     inbox = (InboxSource(store, lease_owner(key_prefix), s.lease_s, p.clock)
              if role == "worker" else None)
     sources: list[Source] = [source] if inbox is None else [source, inbox]
@@ -364,6 +364,7 @@ def collect_stats(p: MemoryPipeline, parts: Parts | None) -> PipelineStats:
         "failure": None if p.failure is None else str(p.failure),
         "conditions": tuple(sorted(health.conditions)), "cache_entries": len(p.cache),
         "flush_waiters": p.barrier.waiting, "role": p.settings.role,
+        "tool_judge_errors": 0 if p.store.tool_log is None else p.store.tool_log.errors.count,
     }
     if parts is None:
         return PipelineStats(

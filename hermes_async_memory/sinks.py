@@ -31,7 +31,7 @@ async def build_batch(turns: Sequence[Turn], source: str, ids: MessageIds | None
     ``tool_log``, its tool answers the read-ahead did not judge are judged first."""
     if tool_log is not None:
         items: list[Turn | Unreadable] = list(turns)
-        await judge_all(items, tool_log.rules)
+        await judge_all(items, tool_log)
         turns = cast("list[Turn]", items)  # judge_all keeps each item's kind
     batch = Batch(source, ids)
     for step, (a, b) in enumerate(runs([t.nbytes for t in turns])):

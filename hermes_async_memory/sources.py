@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from .barrier import CommitBarrier
 from .errors import describe
 from .outbox import Outbox, Record
-from .procedural.extract import OutcomeRules
 from .slices import CHUNK, CHUNK_BYTES, maybe_yield, runs
-from .store.tool_log import outcome_row
+from .store.tool_log import ToolLogConfig, outcome_row
 from .turns import UNJUDGED, Turn
 from .writer import Unreadable, Work
 
@@ -36,9 +35,9 @@ class OutboxSource:
     name = "outbox"
     polls = False
     lease_owner: str | None = None
-    # The tool log's rules, when the store logs tool calls: a batch read ahead has its tool
+    # The tool log's settings, when the store logs tool calls: a batch read ahead has its tool
     # answers judged too (else the batch judges them as it is built, before its commit).
-    tool_rules: OutcomeRules | None = None
+    tool_log: ToolLogConfig | None = None
 
     def __init__(self, outbox: Outbox, barrier: CommitBarrier) -> None:
         self.outbox = outbox
@@ -94,8 +93,8 @@ class OutboxSource:
             return
         await self._read(self._ahead, 0, max_turns, max_bytes)
         await decode_all(self._ahead, self._ahead_items)
-        if self.tool_rules is not None:  # the tool log's judging, off the commit's path too
-            await judge_all(self._ahead_items, self.tool_rules)
+        if self.tool_log is not None:  # the tool log's judging, off the commit's path too
+            await judge_all(self._ahead_items, self.tool_log)
 
     async def _read(self, into: list[Record] | deque[Record], start: int, max_turns: int,
                     max_bytes: int) -> None:
@@ -159,7 +158,7 @@ async def decode_all(records: Sequence[Record], items: list[Turn | Unreadable]
     return items
 
 
-async def judge_all(items: list[Turn | Unreadable], rules: OutcomeRules) -> None:
+async def judge_all(items: list[Turn | Unreadable], tool_log: ToolLogConfig) -> None:
     """Judge the tool answers of the turns in ``items`` not judged yet (in place), a run of
     turns (``slices.runs``, by their records' size) a step: the tool log's outcomes, worked
     out on the loop (``Turn.answers``). The scan alone of 2,000 turns takes ~0.3 ms."""
@@ -170,7 +169,8 @@ async def judge_all(items: list[Turn | Unreadable], rules: OutcomeRules) -> None
         for i in range(a, b):
             item = items[i]
             if isinstance(item, Turn) and item.answers and item.answers[0][2] is UNJUDGED:
-                items[i] = item.with_outcomes(lambda content: outcome_row(content, rules))
+                items[i] = item.with_outcomes(
+                    lambda content: outcome_row(content, tool_log.rules, tool_log.errors))
     await maybe_yield()
 
 

@@ -78,6 +78,9 @@ class PipelineStats:
     replica_available: bool = True
     stale_blocks: int = 0
     refreshes_queued: int = 0
+    # Tool answers a rule of the tool log raised on (a bug): logged as successes, each error
+    # logged as tool_outcome_failed.
+    tool_judge_errors: int = 0
     # The word index's rebuild after an upgrade (a store made before it stemmed): messages
     # indexed of those there at its start; both 0 when none is under way. Until it ends,
     # recall and search read the old index.

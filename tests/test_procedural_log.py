@@ -184,6 +184,32 @@ async def test_a_pattern_of_ones_own_without_a_type_group_judges_failures(
     assert got == {"f1": (False, "exception"), "f2": (True, None)}
 
 
+
+async def test_an_answer_a_rule_raises_on_is_logged_and_counted_not_lost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bug in judging (a fault no input here can cause: a mock) costs neither the turn nor
+    its calls: the call is logged as a success, the other answers are judged as usual, and
+    stats() counts the error."""
+    import hermes_async_memory.store.tool_log as tool_log
+
+    real = tool_log.judge
+
+    def judge(content: Any, rules: OutcomeRules) -> Any:
+        if "BOOM" in str(content):
+            raise RuntimeError("a bug in a rule")
+        return real(content, rules)
+
+    monkeypatch.setattr(tool_log, "judge", judge)
+    msgs = turn("tidy up", [call("b1", "clean", path="a"), call("b2", "clean", path="b")],
+                {"b1": "BOOM", "b2": {"error": "PermissionError: denied"}})
+    async with MemoryPipeline(Settings(db_path=tmp_path / "m.db")) as mem:
+        assert mem.stats().tool_judge_errors == 0
+        await write(mem, [msgs])
+        got = {c.call_id: c.ok for c in await mem.procedural.search("ann")}
+        assert mem.stats().tool_judge_errors == 1
+        assert len(await mem.get_messages("s1")) == len(msgs)
+    assert got == {"b1": True, "b2": False}
+
 @pytest.mark.parametrize(("rules", "field"), [
     (OutcomeRules(exception_pattern="(unclosed"), "exception_pattern"),
     (OutcomeRules(status_keys="status"), "status_keys"),  # type: ignore[arg-type]

@@ -170,8 +170,9 @@ class Connections:
             # the file for a moment, which a start waits out. Its statements get the short one.
             self._writer = await self._connect()
             if self.tool_log is not None:
+                log_config = self.tool_log
                 await self._writer.create_function(
-                    OUTCOME_FUNCTION, 1, outcome_function(self.tool_log.rules),
+                    OUTCOME_FUNCTION, 1, outcome_function(log_config.rules, log_config.errors),
                     deterministic=True)
             await migrate(self._writer, self.path, self.tool_log)
             for _ in range(self._readers_n):

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -351,6 +352,22 @@ class AwaitingCalls:
         self.possible = bool(value)
 
 
+class JudgeErrors:
+    """Tool answers a rule raised on (a bug: they are logged as successes, and each error
+    logged): counted for ``stats().tool_judge_errors``. The loop and the store's thread
+    both judge."""
+
+    __slots__ = ("_lock", "count")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def add(self) -> None:
+        with self._lock:
+            self.count += 1
+
+
 @dataclass(frozen=True)
 class ToolLogConfig:
     """What the writer's commits do with tool calls (``Settings``' tool_log fields), and
@@ -360,6 +377,7 @@ class ToolLogConfig:
     max_per_user: int
     fix_window_s: float
     awaiting: AwaitingCalls = field(default_factory=AwaitingCalls, compare=False, repr=False)
+    errors: JudgeErrors = field(default_factory=JudgeErrors, compare=False, repr=False)
 
 
 async def prepare(db: aiosqlite.Connection, config: ToolLogConfig | None) -> None:
@@ -477,7 +495,7 @@ def _told(config: ToolLogConfig) -> list[str]:
     return [NONE_AWAITING if awaiting.possible else NOW_AWAITING]
 
 
-def outcome_function(rules: OutcomeRules) -> Any:
+def outcome_function(rules: OutcomeRules, errors: JudgeErrors | None = None) -> Any:
     """``hm_tool_outcomes(answers)``: for a JSON array of tools' answers (texts, or null),
     the JSON array of their ``[ok, error_type, error_message, duration_ms]``, null for a
     success with no duration (most answers: the statement then reads no JSON for them). It
@@ -490,21 +508,24 @@ def outcome_function(rules: OutcomeRules) -> Any:
         except ValueError:
             log.error("tool_outcomes_unreadable", exc_info=True)
             return "[]"
-        return json.dumps([outcome_row(content, rules)
+        return json.dumps([outcome_row(content, rules, errors)
                            for content in (contents if isinstance(contents, list) else [])])
 
     return hm_tool_outcomes
 
 
-def outcome_row(content: str | None, rules: OutcomeRules
+def outcome_row(content: str | None, rules: OutcomeRules, errors: JudgeErrors | None = None
                 ) -> list[Any] | None:
     """A tool answer's outcome as the log's statements read it: ``[ok, error_type,
     error_message, duration_ms]``, or None for a success with no duration (most answers).
-    Never raises: an answer a rule fails on is a success, logged."""
+    Never raises: an answer a rule fails on is a success, logged and counted in
+    ``errors``."""
     try:
         o = judge(content if content is not None else "", rules)
     except Exception:  # a bug in a rule must not fail the turns' commit
         log.error("tool_outcome_failed", exc_info=True)
+        if errors is not None:
+            errors.add()
         return None
     if o.ok and o.duration_ms is None:
         return None

@@ -134,6 +134,8 @@ _COUNTERS: tuple[tuple[str, str, _Field], ...] = (
      lambda s: s.replica_errors),
     ("refreshes_queued", "Recalls queued because another machine wrote the user's memory.",
      lambda s: s.refreshes_queued),
+    ("tool_judge_errors", "Tool answers a tool-log rule raised on, logged as successes.",
+     lambda s: s.tool_judge_errors),
     ("inbox_committed_turns", "Turns from the shared inbox committed by this worker.",
      lambda s: s.inbox_committed_turns),
 )
