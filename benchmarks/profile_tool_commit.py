@@ -72,7 +72,9 @@ async def capture(d: Path) -> list[str]:
     turns = make_tool_turns(corpus, BATCH, 1_000, seed=3)
     store_messages.Messages.commit_batch = catching  # type: ignore[method-assign]
     try:
-        settings = Settings(db_path=d / "m.db", tool_log=True, max_batch=BATCH)
+        # The whole batch in one commit, whatever the default batch size in bytes.
+        settings = Settings(db_path=d / "m.db", tool_log=True, max_batch=BATCH,
+                            max_batch_bytes=16 * 1024 * 1024)
         async with MemoryPipeline(settings) as mem:
             for sid, uid, user, answer, messages in warm:
                 mem.sync_turn(user, answer, session_id=sid, user_id=uid, messages=messages)
