@@ -116,21 +116,21 @@ def test_a_read_from_before_a_delete_does_not_put_the_session_back() -> None:
     cache = RecallCache(max_sessions=10, recent_turns=4, recent_chars=200)
     cache.set_recall("ann", "other", "q", "Related memory:\n- old words")
     cache.set_recall("ann", "s1", "q", "Related memory:\n- s1 words")
-    assert "old words" in cache.get("ann", "other")  # read, so kept rendered
-    assert "s1 words" in cache.get("ann", "s1")
+    assert "old words" in warm_read(cache, "ann", "other")  # read, so kept rendered
+    assert "s1 words" in warm_read(cache, "ann", "s1")
     epoch = cache.epoch()  # a reader starts here
     cache.forget_session("s1", "ann")
-    assert cache.get("ann", "s1") == ""
-    assert "old words" not in cache.get("ann", "other")  # the user's blocks went too
+    assert warm_read(cache, "ann", "s1") == ""
+    assert "old words" not in warm_read(cache, "ann", "other")  # the user's blocks went too
     assert not cache.warm("ann", "s1", [("k1", "deleted words", "ok")], 0.0, epoch=epoch)
     cache.set_recall("ann", "other", "q", "Related memory:\n- deleted words", epoch=epoch)
     assert ("ann", "s1") not in cache
-    assert "deleted words" not in cache.get("ann", "other")
+    assert "deleted words" not in warm_read(cache, "ann", "other")
     # A reader that started after the delete is served as usual.
     assert cache.warm("ann", "s1", [("k2", "new words", "ok")], 0.0, epoch=cache.epoch())
-    assert "new words" in cache.get("ann", "s1")
+    assert "new words" in warm_read(cache, "ann", "s1")
     cache.set_recall("bob", "b1", "q", "Related memory:\n- bob's", epoch=epoch)  # not deleted
-    assert "bob's" in cache.get("bob", "b1")
+    assert "bob's" in warm_read(cache, "bob", "b1")
 
 
 def test_a_procedural_block_after_hits_all_shown_leaves_no_empty_heading() -> None:
@@ -168,7 +168,7 @@ def test_a_read_that_starts_after_a_change_shows_it_while_readers_race_the_write
     def read(n: int) -> None:
         while not stop.is_set():
             floor = landed[0]
-            text = cache.get("u", "s")
+            text = warm_read(cache, "u", "s")
             reads[n] += 1
             if floor < 0:
                 continue
@@ -185,7 +185,8 @@ def test_a_read_that_starts_after_a_change_shows_it_while_readers_race_the_write
         for i in range(COMMITS):
             cache.note_commits([_turn(i)], 0.0)
             landed[0] = i
-            if f"- user: turn {i}\n" not in cache.get("u", "s") + "\n":  # the writer's own read
+            # the writer's own read
+            if f"- user: turn {i}\n" not in warm_read(cache, "u", "s") + "\n":
                 behind.append((-1, i))
     finally:
         stop.set()
@@ -194,7 +195,13 @@ def test_a_read_that_starts_after_a_change_shows_it_while_readers_race_the_write
         sys.setswitchinterval(interval)
     assert sum(reads) > 10_000
     assert not behind, f"{len(behind)} reads showed an older commit, e.g. {behind[:3]}"
-    assert f"turn {COMMITS - 1}" in cache.get("u", "s")
+    assert f"turn {COMMITS - 1}" in warm_read(cache, "u", "s")
+
+
+def warm_read(cache: RecallCache, user: str | None, session: str) -> str:
+    """A session's block as ``MemoryPipeline.prefetch`` reads it: the kept block in
+    ``fresh``, else ``get`` (which renders and keeps it)."""
+    return cache.fresh.get((user, session)) or cache.get(user, session)
 
 
 def _turn(i: int) -> Turn:
@@ -219,10 +226,10 @@ def test_a_block_rendered_while_a_commit_lands_is_not_kept_past_it() -> None:
         return text
 
     cache._render = render_while_a_commit_lands  # type: ignore[method-assign]
-    assert "turn 0" in cache.get("u", "s")
+    assert "turn 0" in warm_read(cache, "u", "s")
     cache._render = render  # type: ignore[method-assign]
-    assert "turn 1" in cache.get("u", "s")
-    assert "turn 1" in cache.get("u", "s")  # and when read again
+    assert "turn 1" in warm_read(cache, "u", "s")
+    assert "turn 1" in warm_read(cache, "u", "s")  # and when read again
 
 
 def test_a_commit_landing_as_a_reader_keeps_its_block_waits_for_it() -> None:
@@ -246,7 +253,7 @@ def test_a_commit_landing_as_a_reader_keeps_its_block_waits_for_it() -> None:
             super().__setitem__(key, value)
 
     cache.fresh = KeepingHook()
-    assert "turn 0" in cache.get("u", "s")
+    assert "turn 0" in warm_read(cache, "u", "s")
     writer.join(timeout=10)
     assert landed.is_set()
-    assert "turn 1" in cache.get("u", "s")
+    assert "turn 1" in warm_read(cache, "u", "s")

@@ -114,18 +114,16 @@ class RecallCache:
     # -- reads (any thread) ------------------------------------------------------------
 
     def cached(self, user_id: object, session_id: object) -> str | None:
-        """The block of a cached (user, session) (rendered now if a commit changed it;
-        counted as a hit), or None when it has no entry (not counted: see ``get``). Entries
-        exist only for ids that were checked, so a hit needs no check.
+        """The block of a cached (user, session), rendered now if a commit changed it and
+        kept in ``fresh`` (where ``MemoryPipeline.prefetch`` looks first; this is its way
+        when the block is not there); counted as a hit. None when it has no entry (not
+        counted: see ``get``). Entries exist only for ids that were checked, so a hit needs
+        no check.
 
         Raises:
             TypeError: an id is not hashable (so not an id).
         """
         key: CacheKey = (user_id, session_id)  # type: ignore[assignment]
-        text = self.fresh.get(key)
-        if text is not None:
-            self.hits += 1
-            return text
         entry = self._entries.get(key)
         if entry is None:
             return None
