@@ -17,13 +17,13 @@ from collections.abc import Sequence
 
 from .barrier import CommitBarrier
 from .errors import describe
-from .outbox import Outbox, Record
+from .outbox import OFFSET, PAYLOAD, SEGMENT, SEQ, Outbox, Record
 from .slices import CHUNK, CHUNK_BYTES, maybe_yield, runs
 from .store.tool_log import ToolLogConfig, outcome_row
 from .turns import UNJUDGED, Turn
 from .writer import Unreadable, Work
 
-_PAYLOAD_OF = operator.attrgetter("payload")
+_PAYLOAD_OF = operator.itemgetter(PAYLOAD)
 # The key and session of a record whose JSON does not parse, when its head is still whole.
 _HEAD = re.compile(r'^\{"k":("(?:[^"\\]|\\.)*"),"s":("(?:[^"\\]|\\.)*")')
 
@@ -60,7 +60,7 @@ class OutboxSource:
     async def take(self, max_turns: int, max_bytes: int) -> Work | None:
         inflight = self._inflight
         if self._handed < len(inflight):  # a restarted writer: what it had not settled, first
-            records = [r for r in inflight if r.seq not in self._settled]
+            records = [r for r in inflight if r[SEQ] not in self._settled]
             self._handed = len(inflight)
             items = await decode_all(records, [])
         else:
@@ -80,7 +80,7 @@ class OutboxSource:
             items = await decode_all(records, items)
         if not records:
             return None
-        return Work(items, replay=records[0].seq <= self.outbox.recovered)
+        return Work(items, replay=records[0][SEQ] <= self.outbox.recovered)
 
     async def read_ahead(self, max_turns: int, max_bytes: int) -> None:
         """Read and decode the next batch while the writer commits this one (the store works
@@ -119,7 +119,7 @@ class OutboxSource:
         inflight = self._inflight
         n = len(items)
         if (not self._settled and n and n <= len(inflight)
-                and items[0].seq == inflight[0].seq and items[-1].seq == inflight[n - 1].seq):
+                and items[0].seq == inflight[0][SEQ] and items[-1].seq == inflight[n - 1][SEQ]):
             # The oldest records in flight, in order: the usual case. A chunk a step: settling
             # 2,000 records at once reads each one's fields (~0.6 ms on the loop) and frees
             # them all. Only the writer, which awaits this, changes what is in flight.
@@ -130,19 +130,19 @@ class OutboxSource:
                 done = [popleft() for _ in range(min(CHUNK, n - start))]
                 self._handed = max(0, self._handed - len(done))
                 self.outbox.mark_done(done)
-                self._barrier.settle(done[-1].seq)
+                self._barrier.settle(done[-1][SEQ])
             return
         settled = self._settled
         settled.update(item.seq for item in items)
         prefix: list[Record] = []
-        while inflight and inflight[0].seq in settled:
+        while inflight and inflight[0][SEQ] in settled:
             record = inflight.popleft()
-            settled.discard(record.seq)
+            settled.discard(record[SEQ])
             prefix.append(record)
         self._handed = max(0, self._handed - len(prefix))
         if prefix:
             self.outbox.mark_done(prefix)
-            self._barrier.settle(prefix[-1].seq)
+            self._barrier.settle(prefix[-1][SEQ])
 
 
 async def decode_all(records: Sequence[Record], items: list[Turn | Unreadable]
@@ -150,7 +150,7 @@ async def decode_all(records: Sequence[Record], items: list[Turn | Unreadable]
     """Decode ``records`` past the ``len(items)`` already decoded into ``items``, a run of
     them (``slices.runs``) a step; returns ``items``."""
     first = len(items)
-    for step, (a, b) in enumerate(runs([len(r.payload) for r in records[first:]])):
+    for step, (a, b) in enumerate(runs([len(r[PAYLOAD]) for r in records[first:]])):
         if step:
             await maybe_yield()
         items.extend([decode(r) for r in records[first + a : first + b]])
@@ -177,14 +177,14 @@ async def judge_all(items: list[Turn | Unreadable], tool_log: ToolLogConfig) -> 
 def decode(record: Record) -> Turn | Unreadable:
     """The turn a record holds, or what is known of a record that does not decode."""
     try:
-        return Turn.decode(record.payload, record.segment, record.seq)
+        return Turn.decode(record[PAYLOAD], record[SEGMENT], record[SEQ])
     except (ValueError, LookupError, TypeError, RecursionError) as exc:
-        key, session_id = f"unreadable-{record.segment}-{record.offset}", ""
-        head = _HEAD.match(record.payload[:2048])
+        key, session_id = f"unreadable-{record[SEGMENT]}-{record[OFFSET]}", ""
+        head = _HEAD.match(record[PAYLOAD][:2048])
         if head is not None:
             try:
                 key, session_id = json.loads(head.group(1)), json.loads(head.group(2))
             except ValueError:
                 pass  # the synthetic key stands
-        return Unreadable(record.seq, key, session_id, record.payload.encode("latin-1"),
+        return Unreadable(record[SEQ], key, session_id, record[PAYLOAD].encode("latin-1"),
                           f"unreadable outbox record: {describe(exc)}")

@@ -7,14 +7,32 @@
 
 from __future__ import annotations
 
-from .log import Outbox, OutboxBusyError, OutboxCounts, Record, Recovery
+from .log import (
+    KIND,
+    N_MESSAGES,
+    OFFSET,
+    PAYLOAD,
+    SEGMENT,
+    SEQ,
+    Outbox,
+    OutboxBusyError,
+    OutboxCounts,
+    Record,
+    Recovery,
+)
 from .records import HEADER_BYTES, KIND_TURN, RecordSummary, inspect
 from .segments import QUARANTINE_DIR, os_error
 
 __all__ = [
     "HEADER_BYTES",
+    "KIND",
     "KIND_TURN",
+    "N_MESSAGES",
+    "OFFSET",
+    "PAYLOAD",
     "QUARANTINE_DIR",
+    "SEGMENT",
+    "SEQ",
     "Outbox",
     "OutboxBusyError",
     "OutboxCounts",

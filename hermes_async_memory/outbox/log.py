@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import Final
 
 import structlog
 
@@ -60,8 +60,6 @@ _PREFAULT_BYTES = 4 * 1024 * 1024
 _RELEASE_MIN = 1024 * 1024
 _RELEASE_STEP = 1024 * 1024
 _MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", None)
-_SEGMENT_OF = operator.attrgetter("segment")
-_PAYLOAD_OF = operator.attrgetter("payload")
 # A record's key as this library makes them (``MemoryPipeline.new_key``): the pipeline's
 # random prefix, then its accept counter in hex.
 _OUR_KEY = re.compile(r"([0-9a-f]{12})-([0-9a-f]+)")
@@ -74,15 +72,20 @@ _held: dict[str, _Held] = {}  # by absolute directory: this process's locked out
 log = structlog.get_logger(__name__)
 
 
-class Record(NamedTuple):
-    """One record read back from the log for the writer."""
-
-    seq: int  # its number in accept order since open (what an earlier run left comes first)
-    segment: int
-    offset: int
-    payload: str  # ASCII JSON
-    n_messages: int
-    kind: int
+# One record read back from the log for the writer: a plain tuple, read by the positions
+# below. The collector stops tracking a plain tuple of numbers and text at the first
+# collection it survives, and tracks a NamedTuple for as long as it lives: the writer holds
+# thousands of records in flight (a batch, the next one read ahead, a dead producer's slot
+# being handed in), and every collection would walk them all.
+Record = tuple[int, int, int, str, int, int]
+SEQ: Final = 0  # its number in accept order since open (what an earlier run left comes first)
+SEGMENT: Final = 1
+OFFSET: Final = 2
+PAYLOAD: Final = 3  # ASCII JSON
+N_MESSAGES: Final = 4
+KIND: Final = 5
+_SEGMENT_OF = operator.itemgetter(SEGMENT)
+_PAYLOAD_OF = operator.itemgetter(PAYLOAD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,8 +456,8 @@ class Outbox:
                     break
                 start = off + HEADER_BYTES
                 seq += 1
-                out.append(Record(seq, n, off, mm[start : start + size].decode("latin-1"),
-                                  info & COUNT_MASK, info >> 24))
+                out.append((seq, n, off, mm[start : start + size].decode("latin-1"),
+                            info & COUNT_MASK, info >> 24))
                 used += size
                 off = start + size
             if len(out) >= max_records or seq >= limit or off < end:
@@ -479,8 +482,8 @@ class Outbox:
             self._pending_bytes -= nbytes
             self._settled_bytes += nbytes
             last = records[-1]
-            self._done_seq = max(self._done_seq, last.seq)
-            self._settled = (last.segment, last.offset + HEADER_BYTES + len(last.payload))
+            self._done_seq = max(self._done_seq, last[SEQ])
+            self._settled = (last[SEGMENT], last[OFFSET] + HEADER_BYTES + len(last[PAYLOAD]))
             self._collect_settled()
 
     def _collect_settled(self) -> None:

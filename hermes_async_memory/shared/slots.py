@@ -27,7 +27,7 @@ import anyio
 import structlog
 
 from ..errors import StoreError
-from ..outbox import Outbox, OutboxBusyError, Record, Recovery, os_error
+from ..outbox import PAYLOAD, Outbox, OutboxBusyError, Record, Recovery, os_error
 from ..retry import Backoff, retry_transient
 from ..settings import Settings
 from ..sinks import ForwardSink
@@ -122,7 +122,7 @@ class ProducerSlots:
                 if not chunk:
                     break
                 records += chunk
-                left -= sum(len(r.payload) for r in chunk)
+                left -= sum(len(r[PAYLOAD]) for r in chunk)
                 await maybe_yield()
             if not records:
                 return handed
