@@ -4,6 +4,7 @@ per-user bound, and the query API."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sqlite3
 from collections import Counter
@@ -238,6 +239,40 @@ def test_default_rules_each_kind_of_answer() -> None:
     inside = judge(json.dumps({"output": "Traceback (most recent call last):\n  File \"a\"\n"
                                          "KeyError: 'x'"}))
     assert (inside.ok, inside.error_type) == (False, "KeyError")
+
+
+def test_a_judged_turns_answers_leave_the_collectors_walks() -> None:
+    """The writer holds thousands of judged tool turns in flight, and every collection on
+    the event loop walks what the collector tracks: a turn's answers, with their outcomes,
+    are plain tuples of plain values, which the collector lets go of once it has seen them
+    (outcomes were lists, each tracked for as long as it lived, as was the pair the batch
+    kept of each)."""
+    from hermes_async_memory.store.tool_log import outcome_row
+    from hermes_async_memory.turns import Turn, turn_messages
+
+    messages = [
+        {"role": "user", "content": "read the notes"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"c{i}", "type": "function",
+             "function": {"name": "read_file", "arguments": json.dumps({"path": f"n{i}"})}}
+            for i in range(3)]},
+        {"role": "tool", "tool_call_id": "c0", "content": '{"output": "notes", "exit_code": 0}'},
+        {"role": "tool", "tool_call_id": "c1", "content": "FileNotFoundError: n1"},
+        {"role": "tool", "tool_call_id": "c2",
+         "content": '{"output": "", "error": "timed out", "duration_ms": 812.5}'},
+        {"role": "assistant", "content": "done"},
+    ]
+    turn = Turn.build(key="k", session_id="s", user_id="u", accepted_at=1.0,
+                      messages=turn_messages("read the notes", "done", messages), metadata=None)
+    rules = OutcomeRules()
+    judged = turn.with_outcomes(lambda content: outcome_row(content, rules))
+    for _ in range(3):  # a tuple is let go once all it holds is: a level a collection at worst
+        gc.collect()
+
+    assert [(i, o) for i, _, o in judged.answers] == [
+        (2, None), (3, (0, "FileNotFoundError", "FileNotFoundError: n1", None)),
+        (4, (0, "error", "timed out", 812.5))]
+    assert not gc.is_tracked(judged.answers)
 
 
 async def test_malformed_tool_calls_never_fail_the_turns_commit(tmp_path: Path) -> None:

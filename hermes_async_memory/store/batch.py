@@ -114,9 +114,9 @@ class Batch:
     def __init__(self, source: str, ids: MessageIds | None = None) -> None:
         self.source = source
         # The outcomes of its turns' tool answers, judged on the loop (``sources.judge_all``):
-        # [answer's message id, outcome_row] of those not a plain success. One answer that
+        # (answer's message id, outcome_row) of those not a plain success. One answer that
         # came unjudged, and the transaction judges them all (``tool_log.JUDGE``).
-        self._judged: list[list[Any]] = []
+        self._judged: list[tuple[int, Any]] = []
         self._unjudged = False
         # Gives ids to a turn that came without (a producer's, an earlier version's).
         self._ids = ids
@@ -199,7 +199,7 @@ class Batch:
                 if outcome is UNJUDGED:
                     self._unjudged = True
                 elif outcome is not None:
-                    self._judged.append([first + ordinal, outcome])
+                    self._judged.append((first + ordinal, outcome))
             last = first + t.n_messages - 1
             ids_of.add(first, last)
             if payload_has_cjk(t.payload):

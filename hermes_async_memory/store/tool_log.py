@@ -515,9 +515,11 @@ def outcome_function(rules: OutcomeRules, errors: JudgeErrors | None = None) -> 
 
 
 def outcome_row(content: str | None, rules: OutcomeRules, errors: JudgeErrors | None = None
-                ) -> list[Any] | None:
-    """A tool answer's outcome as the log's statements read it: ``[ok, error_type,
-    error_message, duration_ms]``, or None for a success with no duration (most answers).
+                ) -> tuple[int, str | None, str | None, float | None] | None:
+    """A tool answer's outcome as the log's statements read it: ``(ok, error_type,
+    error_message, duration_ms)`` (a JSON array to them), or None for a success with no
+    duration (most answers). A tuple of plain values: the collector lets go of it, and of
+    the turn's answers that hold it (``Turn.answers``), at the first collection.
     Never raises: an answer a rule fails on is a success, logged and counted in
     ``errors``."""
     try:
@@ -529,7 +531,7 @@ def outcome_row(content: str | None, rules: OutcomeRules, errors: JudgeErrors | 
         return None
     if o.ok and o.duration_ms is None:
         return None
-    return [int(o.ok), o.error_type, o.error_message, o.duration_ms]
+    return (int(o.ok), o.error_type, o.error_message, o.duration_ms)
 
 
 class CallRow(NamedTuple):
