@@ -14,6 +14,7 @@ import operator
 import re
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 from .barrier import CommitBarrier
 from .errors import describe
@@ -162,6 +163,11 @@ async def judge_all(items: list[Turn | Unreadable], tool_log: ToolLogConfig) -> 
     """Judge the tool answers of the turns in ``items`` not judged yet (in place), a run of
     turns (``slices.runs``, by their records' size) a step: the tool log's outcomes, worked
     out on the loop (``Turn.answers``). The scan alone of 2,000 turns takes ~0.3 ms."""
+    rules, errors = tool_log.rules, tool_log.errors
+
+    def outcome(content: str | None) -> Any:
+        return outcome_row(content, rules, errors)
+
     sizes = [item.nbytes if isinstance(item, Turn) else 0 for item in items]
     for step, (a, b) in enumerate(runs(sizes)):
         if step:
@@ -169,8 +175,7 @@ async def judge_all(items: list[Turn | Unreadable], tool_log: ToolLogConfig) -> 
         for i in range(a, b):
             item = items[i]
             if isinstance(item, Turn) and item.answers and item.answers[0][2] is UNJUDGED:
-                items[i] = item.with_outcomes(
-                    lambda content: outcome_row(content, tool_log.rules, tool_log.errors))
+                items[i] = item.with_outcomes(outcome)
     await maybe_yield()
 
 

@@ -659,15 +659,12 @@ def _plain_row(m: dict[str, Any]) -> MessageRow | None:
     if n == 2:
         content = m.get("content")
         if (type(content) is str and role and _column_text(role)
-                and "\x00" not in content and (content.isascii() or not _has_surrogate(content))):
+                and _column_text(content)):
             return (role, content, None, None, None, None, None, None)
     elif n == 4 and role == "tool":
         call_id, name, content = m.get("tool_call_id"), m.get("name"), m.get("content")
         if (type(call_id) is str and type(name) is str and type(content) is str
-                and "\x00" not in call_id and "\x00" not in name and "\x00" not in content
-                and (call_id.isascii() or not _has_surrogate(call_id))
-                and (name.isascii() or not _has_surrogate(name))
-                and (content.isascii() or not _has_surrogate(content))):
+                and _column_text(call_id) and _column_text(name) and _column_text(content)):
             # The tool's name: its column, and its key among the fields (_fields_json's form).
             return (role, content, None, call_id, name, None, None, '{"name":' + _esc(name) + "}")
     return None

@@ -75,6 +75,18 @@ SHAPES: dict[str, list[Message]] = {
         {"role": "user", "content": "lone \ud800 surrogate", "timestamp": 1_700_000_000.25},
         {"role": "assistant", "content": "floats", "x": 0.1 + 0.2, "big": 2**70},
     ],
+    # The two commonest shapes (a text message, a tool's answer) have their rows made
+    # directly (turns._plain_row) unless a column would not hold a value: then as any other.
+    "common shapes, with values a column would not hold": [
+        {"role": "user", "content": "two\x00keys"},
+        {"role": "assistant", "content": "two \udc80 keys"},
+        {"role": "tool", "tool_call_id": "c\x001", "name": "read", "content": "ok"},
+        {"role": "tool", "tool_call_id": "c2", "name": "re\ud801ad", "content": "ok"},
+        {"role": "tool", "tool_call_id": "c3", "name": "read", "content": "nul\x00"},
+        {"role": "tool", "tool_call_id": "c4", "name": "read", "content": None},
+        {"role": "tool", "tool_call_id": "c5", "name": "read", "content": "fine"},
+        {"role": "user", "content": ""},
+    ],
 }
 
 

@@ -223,6 +223,7 @@ def test_outcome_rules_that_cannot_judge_are_refused_at_settings(
     with pytest.raises(ConfigurationError, match=f"tool_outcome_rules.{field}"):
         Settings(db_path=tmp_path / "m.db", tool_outcome_rules=rules)
 
+
 def test_default_rules_each_kind_of_answer() -> None:
     assert judge('{"status": "failed", "message": "x"}').ok is False
     assert judge('{"status": "ok", "error": "ignored when the status says ok"}').ok is True
