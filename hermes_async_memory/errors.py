@@ -89,6 +89,12 @@ class ForeignStoreError(StoreError):
     left as it was (no table added, no journal mode switched)."""
 
 
+class FullTextUnavailableError(StoreError):
+    """A search cannot run: the store's full-text indexes are not kept, because the SQLite
+    that writes the store (or the one reading it) has no FTS5 module. Writes go on; a
+    SQLite with FTS5 rebuilds the indexes when it next opens the store."""
+
+
 class CorruptOutboxError(StoreError):
     """An outbox segment cannot be used at all (damaged records are quarantined instead)."""
 

@@ -39,7 +39,7 @@ from .sinks import ForwardSink, StoreSink
 from .slices import CHUNK, maybe_yield
 from .sources import OutboxSource
 from .stats import PipelineStats, percentile
-from .supervisor import DISK_FULL, Supervisor
+from .supervisor import DISK_FULL, FULL_TEXT_UNAVAILABLE, Supervisor
 from .turns import Turn, scope_token_for
 from .writer import Source, Writer
 
@@ -203,6 +203,11 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     s, store = p.settings, p.store
     role = s.role
     await store.open()
+    if not store.full_text:
+        p.conditions.set(FULL_TEXT_UNAVAILABLE,
+                         f"this SQLite has no FTS5 module: {store.path} keeps no full-text "
+                         "index, so searches fail and recalls find nothing (writes go on; "
+                         "a SQLite with FTS5 rebuilds the indexes when it opens the store)")
     outbox: Outbox | None = None
     try:
         first_segment = await store.next_segment()

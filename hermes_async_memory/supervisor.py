@@ -33,6 +33,9 @@ DISK_FULL_STORE = "disk_full_store"
 # The replica backend cannot be reached: the pipeline accepts and commits locally, and the
 # backlog waits (health stays ok; stats show the lag).
 REPLICA_UNAVAILABLE = "replica_unavailable"
+# The SQLite the store runs on has no FTS5 module: writes go on, searches raise
+# FullTextUnavailableError and recalls find nothing (health stays ok; it lasts the run).
+FULL_TEXT_UNAVAILABLE = "full_text_unavailable"
 
 # A part that ran this long since its last restart starts its backoff afresh, and no longer
 # shows as restarting in health.

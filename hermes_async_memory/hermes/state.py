@@ -135,12 +135,15 @@ class SessionDB:
         self._runtime: runtimes.Runtime | None = None
         self._raw: sqlite3.Connection | None = None
         self._users: dict[str, str | None] = {}  # session -> its user, as this store has it
-        self._fts_enabled = True  # every store of ours indexes its messages with FTS5
+        # Whether the store keeps its full-text indexes (False: a SQLite without FTS5, whose
+        # searches find nothing here, as Hermes's do; the store's text_index says more).
+        self._fts_enabled = True
         self._trigram_available = False
         try:
             check_store_file(self.db_path)
             if read_only:
                 self._raw = _connect(f"file:{self.db_path}?mode=ro", uri=True, timeout=30.0)
+                self._fts_enabled = reads.table_exists(self._raw, "messages_fts_delete")
                 return
             self.db_path.parent.mkdir(parents=True, exist_ok=True)
             settings = Settings.from_env(db_path=self.db_path)
@@ -151,6 +154,8 @@ class SessionDB:
                     "Hermes's session store runs in the process that commits the store "
                     "(role embedded or worker), not as a producer")
             self._runtime = runtimes.acquire(settings, contextvars.copy_context())
+            if self._runtime.pipeline is not None:
+                self._fts_enabled = self._runtime.pipeline.store.full_text
             # Its reads wait for a lock as Hermes's do (a checkpoint, another process's write).
             self._raw = _connect(str(self.db_path), timeout=30.0)
             self._trigram_available = reads.table_exists(self._raw, "messages_fts_trigram")
@@ -1149,6 +1154,8 @@ class SessionDB:
                 tokens = [t for t in raw.split() if t.upper() not in _BOOLEAN_WORDS] or [raw]
                 matches = reads.like_search(conn, tokens, where=where, params=params,
                                             limit=limit, offset=offset)
+            elif not self._fts_enabled:
+                return []
             else:
                 try:
                     matches = reads.search(conn, match, where=where, params=params,

@@ -150,6 +150,8 @@ class KeyValueMemory:
 
         Raises:
             InvalidEntryError: ``text`` is not a string, or ``limit`` not 1 to 100.
+            FullTextUnavailableError: the store keeps no full-text index (a SQLite without
+                FTS5; ``retrieve`` and ``list_keys`` work).
         """
         user = check_user(user_id)
         if not isinstance(text, str):

@@ -230,6 +230,8 @@ class SessionReads:
                 offset not 0 to 1,000,000, an invalid id or filter, an empty mark or one
                 holding U+0000.
             PipelineClosedError: the pipeline is not open.
+            FullTextUnavailableError: the store keeps no full-text index (a SQLite without
+                FTS5; every other read works).
             StoreError: the store could not be read.
         """
         if order not in ("rank", "newest"):

@@ -28,6 +28,7 @@ from ..errors import (
     CorruptStoreError,
     DiskFullError,
     ForeignStoreError,
+    FullTextUnavailableError,
     StoreAccessError,
     StoreError,
 )
@@ -42,7 +43,13 @@ from ..faults import (
 )
 from ..message_ids import MessageIds
 from .schema import check_current, check_tables, migrate
-from .text_index import Reindex, word_reindex_state
+from .text_index import (
+    TEXT_SINKS,
+    Reindex,
+    is_missing_fts5,
+    text_indexes_kept,
+    word_reindex_state,
+)
 from .tool_log import OUTCOME_FUNCTION, ToolLogConfig, outcome_function
 
 log = structlog.get_logger(__name__)
@@ -58,7 +65,7 @@ _SQLITE_MAGIC = b"SQLite format 3\x00"
 MESSAGE_INDEXES = ("messages_fts", "messages_tools", "messages_trgm")
 
 # The tables a store of ours has; a SQLite file with tables but not these is someone else's.
-_OUR_TABLES = ("schema_version", "outbox", "messages_fts")
+_OUR_TABLES = ("schema_version", "outbox", "sessions", "messages")
 
 
 def check_store_file(path: Path) -> None:
@@ -125,6 +132,10 @@ class Connections:
         # the rebuild under way (``text_index``), else None.
         self.word_index_stems = True
         self.reindex: Reindex | None = None
+        # Whether the full-text indexes are kept (False: this SQLite has no FTS5, or, for a
+        # reader, the writer's has none; ``text_index``): searches then raise
+        # FullTextUnavailableError, recalls find nothing.
+        self.full_text = True
         # The replica backend whose outbox each commit fills (None: no backend).
         self.replica: str | None = None
         # Whether key-value records go to that backend too (the Honcho key-value backend).
@@ -174,7 +185,12 @@ class Connections:
                 await self._writer.create_function(
                     OUTCOME_FUNCTION, 1, outcome_function(log_config.rules, log_config.errors),
                     deterministic=True)
-            await migrate(self._writer, self.path, self.tool_log)
+            self.full_text = await migrate(self._writer, self.path, self.tool_log)
+            if not self.full_text:
+                log.warning("store_full_text_unavailable", db=str(self.path),
+                            reason="this SQLite has no FTS5 module: writes go on, searches "
+                                   "and recalls find nothing until a SQLite with FTS5 opens "
+                                   "the store (it rebuilds the indexes)")
             for _ in range(self._readers_n):
                 conn = await self._connect(readonly=True)
                 self._all_readers.append(conn)
@@ -225,6 +241,7 @@ class Connections:
                 self._readers.put_nowait(conn)
                 await conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout_ms)}")
             await check_current(self._all_readers[0], self.path)
+            self.full_text = await text_indexes_kept(self._all_readers[0])
             self.reindex = await word_reindex_state(self._all_readers[0])
             self.word_index_stems = self.reindex is None
         except sqlite3.Error as exc:
@@ -249,6 +266,8 @@ class Connections:
             await conn.execute("PRAGMA temp_store = MEMORY")
             if readonly:
                 await conn.execute("PRAGMA query_only = 1")
+            elif not self.full_text:  # its fills go nowhere, as the writer's
+                await conn.executescript(TEXT_SINKS)
         except BaseException:
             # Its thread is not a daemon: left open, it would keep the process alive. The
             # error that brought us here is the one raised; a failed close is only logged.
@@ -281,6 +300,8 @@ class Connections:
             sqlite3.Error: the file cannot be written.
         """
         merged: list[str] = []
+        if not self.full_text:
+            return merged
         conn = await self._connect()
         try:
             for name in MESSAGE_INDEXES:
@@ -362,6 +383,10 @@ class Connections:
         conn = await self._readers.get()
         try:
             yield conn
+        except sqlite3.OperationalError as exc:
+            if not is_missing_fts5(exc):  # kept by a writer with FTS5, not readable here
+                raise
+            raise FullTextUnavailableError(self._no_full_text()) from exc
         except sqlite3.DatabaseError as exc:
             # Pages a start did not read can be damaged: the first read of one says so,
             # typed, and fails the pipeline with the cause (``on_corrupt``).
@@ -373,6 +398,19 @@ class Connections:
             raise error from exc
         finally:
             self._readers.put_nowait(conn)
+
+    def require_full_text(self) -> None:
+        """For a search: raise unless the full-text indexes are kept.
+
+        Raises:
+            FullTextUnavailableError: they are not (``full_text``).
+        """
+        if not self.full_text:
+            raise FullTextUnavailableError(self._no_full_text())
+
+    def _no_full_text(self) -> str:
+        return (f"the store {self.path} has no full-text index to search: this SQLite has no "
+                "FTS5 module (a SQLite with FTS5 rebuilds the indexes when it opens the store)")
 
     async def _commit_transaction(self) -> None:
         await self.writer.execute("COMMIT")

@@ -137,7 +137,12 @@ class Memories(Connections):
 
     async def memory_query(self, user_id: str, match: str, limit: int) -> list[EntryRow]:
         """Entries whose key or value match ``match`` (an FTS5 expression the caller built
-        from quoted terms), best first."""
+        from quoted terms), best first.
+
+        Raises:
+            FullTextUnavailableError: the store keeps no full-text index (no FTS5).
+        """
+        self.require_full_text()
         async with self.reader() as db, db.execute(QUERY, (match, user_id, limit)) as cur:
             return [_row(r) for r in await cur.fetchall()]
 

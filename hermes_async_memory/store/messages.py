@@ -176,7 +176,10 @@ class Messages(Connections):
         """A recall's candidates for one FTS5 MATCH expression (quoted and scoped by the
         caller), best first: ``pool`` of them, the first ``shown`` with their neighbours'
         ids; and role, timestamp and text (its first RECALL_SOURCE_CHARS characters) of those
-        and of their neighbours (``RECALL_POOL``)."""
+        and of their neighbours (``RECALL_POOL``). None without the word index (a SQLite
+        without FTS5: ``full_text``)."""
+        if not self.full_text:
+            return [], {}
         async with self.reader() as db:
             # One hand-over to the reader's thread, not three (execute, fetch, close).
             rows = list(await db.execute_fetchall(
@@ -224,7 +227,10 @@ class Messages(Connections):
 
     async def read_frequent_terms(self, min_rows: int, ratio: float = 0.0) -> frozenset[str]:
         """Terms in more than ``max(min_rows, ratio * messages)`` messages. A scan of the
-        whole vocabulary (~0.5 s at 1M messages), on a reader; nothing is kept."""
+        whole vocabulary (~0.5 s at 1M messages), on a reader; nothing is kept. None without
+        the word index."""
+        if not self.full_text:
+            return frozenset()
         async with self.reader() as db:
             async with db.execute("SELECT coalesce(max(id), 0) FROM messages") as cur:
                 row = await cur.fetchone()

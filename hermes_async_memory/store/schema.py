@@ -9,9 +9,12 @@ import aiosqlite
 
 from ..errors import StoreError
 from .text_index import (
-    WORD_TOKENIZER,
+    disable_text_indexes,
+    ensure_memory_index,
     ensure_tool_index,
     ensure_trigram,
+    ensure_word_index,
+    fts5_available,
     start_word_reindex,
 )
 from .tool_log import TEMP_TABLES as TOOL_LOG_TEMP_TABLES
@@ -91,16 +94,7 @@ CREATE TABLE IF NOT EXISTS messages (
     -- fields, active, compacted and Hermes's per-message columns: MESSAGE_COLUMNS below.
 );
 CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, id);
-CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
-    content, scope,
-    content='messages', content_rowid='id',
-    tokenize='""" + WORD_TOKENIZER + """'
-);
-CREATE VIRTUAL TABLE IF NOT EXISTS messages_vocab USING fts5vocab(messages_fts, 'col');
-CREATE TRIGGER IF NOT EXISTS messages_fts_delete AFTER DELETE ON messages BEGIN
-    INSERT INTO messages_fts(messages_fts, rowid, content, scope)
-    VALUES ('delete', old.id, old.content, old.scope);
-END;
+-- The word index (messages_fts): text_index.ensure_word_index.
 CREATE TABLE IF NOT EXISTS outbox (
     key TEXT PRIMARY KEY,
     session_id TEXT NOT NULL,
@@ -178,11 +172,7 @@ CREATE TABLE IF NOT EXISTS memories (
     UNIQUE (user_id, key)
 );
 CREATE INDEX IF NOT EXISTS idx_memories_updated ON memories(user_id, updated_at DESC);
-CREATE VIRTUAL TABLE IF NOT EXISTS memories_fts USING fts5(
-    key, value, scope,
-    content='memories', content_rowid='id',
-    tokenize='unicode61 remove_diacritics 2'
-);
+-- Their index (memories_fts): text_index.ensure_memory_index.
 -- Procedural memory: every tool call of a committed turn, logged in the turn's transaction.
 CREATE TABLE IF NOT EXISTS tool_calls (
     id INTEGER PRIMARY KEY,
@@ -294,20 +284,6 @@ CREATE TABLE IF NOT EXISTS compression_locks (
     acquired_at REAL NOT NULL,
     expires_at REAL NOT NULL
 );
-CREATE TRIGGER IF NOT EXISTS memories_fts_insert AFTER INSERT ON memories BEGIN
-    INSERT INTO memories_fts(rowid, key, value, scope)
-    VALUES (new.id, new.key, new.value, new.scope);
-END;
-CREATE TRIGGER IF NOT EXISTS memories_fts_delete AFTER DELETE ON memories BEGIN
-    INSERT INTO memories_fts(memories_fts, rowid, key, value, scope)
-    VALUES ('delete', old.id, old.key, old.value, old.scope);
-END;
-CREATE TRIGGER IF NOT EXISTS memories_fts_update AFTER UPDATE ON memories BEGIN
-    INSERT INTO memories_fts(memories_fts, rowid, key, value, scope)
-    VALUES ('delete', old.id, old.key, old.value, old.scope);
-    INSERT INTO memories_fts(rowid, key, value, scope)
-    VALUES (new.id, new.key, new.value, new.scope);
-END;
 """
 _ADDED_COLUMNS = (
     ("recall_results", "source", "TEXT NOT NULL DEFAULT 'local'"),
@@ -387,31 +363,31 @@ CREATE TEMP TABLE IF NOT EXISTS import_fresh (n INTEGER NOT NULL);
 
 
 async def migrate(db: aiosqlite.Connection, path: Path,
-                  tool_log: ToolLogConfig | None = None) -> None:
+                  tool_log: ToolLogConfig | None = None) -> bool:
     """Create what a new file lacks, bring an older file's tables up to date, and set up the
     writer connection's temporary tables. ``tool_log``: how commits log tool calls (the
     connection has its outcome function), for the calls of an older file's turns; None:
-    they are not logged.
+    they are not logged. Returns whether the full-text indexes are kept: False on a
+    SQLite without FTS5 (``text_index``: writes go on, the indexes wait for a SQLite with
+    it, which rebuilds them).
 
     Raises:
         StoreError: the file's schema is newer than this library knows.
         sqlite3.Error: the file cannot be read or written.
     """
     await db.executescript(SCHEMA)
+    full_text = await fts5_available(db)
     async with db.execute("SELECT version FROM schema_version") as cur:
         row = await cur.fetchone()
+    if row is not None and row[0] > SCHEMA_VERSION:
+        raise StoreError(
+            f"{path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
+        )
+    if not full_text:  # before any write could fire a trigger of an index
+        await disable_text_indexes(db)
     if row is None:
         await db.execute(
             "INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,)
-        )
-        # Rank on the text column only; the scope column is a filter, not evidence.
-        await db.execute(
-            "INSERT INTO messages_fts (messages_fts, rank) "
-            "VALUES ('rank', 'bm25(1.0, 0.0)')"
-        )
-    elif row[0] > SCHEMA_VERSION:
-        raise StoreError(
-            f"{path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
         )
     elif row[0] < SCHEMA_VERSION:
         version = row[0]
@@ -431,10 +407,14 @@ async def migrate(db: aiosqlite.Connection, path: Path,
     await add_missing_columns(db)
     await db.commit()
     await prepare(db, tool_log)  # the tool log's awaiting calls
-    await ensure_trigram(db)
-    await ensure_tool_index(db)
-    await start_word_reindex(db, time.time())
+    if full_text:
+        await ensure_word_index(db)
+        await ensure_memory_index(db)
+        await ensure_trigram(db)
+        await ensure_tool_index(db)
+        await start_word_reindex(db, time.time())
     await db.executescript(LEASE_GUARD)
+    return full_text
 
 
 async def _backfill_statements(db: aiosqlite.Connection, tool_log: ToolLogConfig
@@ -468,8 +448,9 @@ async def _rekey_recalls(db: aiosqlite.Connection) -> None:
     await db.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
 
 
-# A file without these is not a store of ours.
-REQUIRED_TABLES = ("schema_version", "sessions", "messages", "messages_fts", "outbox")
+# A file without these is not a store of ours (its full-text indexes may be missing: made by
+# a SQLite without FTS5).
+REQUIRED_TABLES = ("schema_version", "sessions", "messages", "outbox")
 
 
 async def check_current(db: aiosqlite.Connection, path: Path) -> None:

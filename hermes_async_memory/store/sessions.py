@@ -254,9 +254,11 @@ class SessionQueries(Connections):
 
         Raises:
             ValueError: a mark is empty or holds U+0000.
+            FullTextUnavailableError: the store keeps no full-text index (no FTS5).
             sqlite3.OperationalError: SQLite refused ``match`` ("fts5: syntax error ...") or
                 could not read.
         """
+        self.require_full_text()
         open_mark, close_mark = marks
         if not open_mark or not close_mark or "\x00" in open_mark + close_mark:
             raise ValueError("a snippet's marks must be non-empty text without U+0000")

@@ -41,6 +41,18 @@ index: by each commit from the rows it inserted (``INDEX_TOOLS``), and left thro
 A SQLite without the trigram tokenizer (``no such tokenizer: trigram``) opens the store all
 the same (``ensure_trigram``): the table is not made, fills go to temporary tables on the
 writer connection that keep nothing, and the search falls back to LIKE.
+
+A SQLite without FTS5 at all (``fts5_available``) opens the store too, without its
+full-text indexes: every write goes on as before, searches raise
+``FullTextUnavailableError`` and recalls find nothing, and the store's health says so
+(``full_text``). The rule that makes this safe in both directions: **an index is kept
+exactly while its delete trigger exists**. Such an open drops the triggers
+(``disable_text_indexes``: a trigger on a table whose module is missing would fail every
+delete of a message or a memory), and sends the fills to temporary tables that keep
+nothing (``TEXT_SINKS``). The next open by a SQLite with FTS5 finds the triggers missing and
+rebuilds each index from the rows, in one transaction per index (``ensure_word_index``,
+``ensure_memory_index``, ``ensure_trigram``, ``ensure_tool_index``): what was written
+meanwhile is found again.
 """
 
 from __future__ import annotations
@@ -130,6 +142,70 @@ CREATE TEMP TRIGGER IF NOT EXISTS messages_trgm_sink BEFORE INSERT ON messages_t
     SELECT RAISE(IGNORE);
 END;
 """
+
+# The word index (every message's text, ranked on the text alone) and the key-value
+# memories' index, each with the triggers that keep it (``ensure_word_index``,
+# ``ensure_memory_index``). The word index stems its words (see its rebuild, below).
+WORD_TOKENIZER = "porter unicode61 remove_diacritics 2"
+WORD_TABLE = """
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(
+    content, scope,
+    content='messages', content_rowid='id',
+    tokenize='""" + WORD_TOKENIZER + """'
+);
+"""
+WORD_VOCAB = """
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_vocab USING fts5vocab(messages_fts, 'col');
+"""
+WORD_DELETE = """
+CREATE TRIGGER IF NOT EXISTS messages_fts_delete AFTER DELETE ON messages BEGIN
+    INSERT INTO messages_fts(messages_fts, rowid, content, scope)
+    VALUES ('delete', old.id, old.content, old.scope);
+END;
+"""
+MEMORY_TABLE = """
+CREATE VIRTUAL TABLE IF NOT EXISTS memories_fts USING fts5(
+    key, value, scope,
+    content='memories', content_rowid='id',
+    tokenize='unicode61 remove_diacritics 2'
+);
+"""
+MEMORY_TRIGGERS = ("""
+CREATE TRIGGER IF NOT EXISTS memories_fts_insert AFTER INSERT ON memories BEGIN
+    INSERT INTO memories_fts(rowid, key, value, scope)
+    VALUES (new.id, new.key, new.value, new.scope);
+END;
+""", """
+CREATE TRIGGER IF NOT EXISTS memories_fts_update AFTER UPDATE ON memories BEGIN
+    INSERT INTO memories_fts(memories_fts, rowid, key, value, scope)
+    VALUES ('delete', old.id, old.key, old.value, old.scope);
+    INSERT INTO memories_fts(rowid, key, value, scope)
+    VALUES (new.id, new.key, new.value, new.scope);
+END;
+""", """
+CREATE TRIGGER IF NOT EXISTS memories_fts_delete AFTER DELETE ON memories BEGIN
+    INSERT INTO memories_fts(memories_fts, rowid, key, value, scope)
+    VALUES ('delete', old.id, old.key, old.value, old.scope);
+END;
+""")
+# Every trigger that writes to a full-text index (the rebuild's two included).
+INDEX_TRIGGERS = ("messages_fts_delete", "messages_trgm_delete", "messages_tools_delete",
+                  "messages_stem_insert", "messages_stem_delete", "memories_fts_insert",
+                  "memories_fts_update", "memories_fts_delete")
+# Without FTS5: what the fills of a commit, an import or a replacement insert goes nowhere
+# (temporary tables shadow the indexes' names on a writing connection; each row is dropped).
+TEXT_SINKS = TRIGRAM_SINK + """
+CREATE TEMP TABLE IF NOT EXISTS messages_fts (content TEXT, scope TEXT);
+CREATE TEMP TRIGGER IF NOT EXISTS messages_fts_sink BEFORE INSERT ON messages_fts BEGIN
+    SELECT RAISE(IGNORE);
+END;
+CREATE TEMP TABLE IF NOT EXISTS messages_tools (tool_text TEXT, scope TEXT);
+CREATE TEMP TRIGGER IF NOT EXISTS messages_tools_sink BEFORE INSERT ON messages_tools BEGIN
+    SELECT RAISE(IGNORE);
+END;
+"""
+# A statement that needs the FTS5 module and nothing of the file.
+_FTS5_PROBE = "CREATE VIRTUAL TABLE temp.fts5_probe USING fts5(x)"
 
 # The fills, for the messages that hold ``{mine}`` (an SQL condition on ``id``): run in the
 # transaction that inserted them, once (a row indexed twice corrupts an external-content
@@ -227,6 +303,110 @@ async def ensure_tool_index(db: aiosqlite.Connection) -> None:
         raise
 
 
+async def fts5_available(db: aiosqlite.Connection) -> bool:
+    """Whether this SQLite has the FTS5 module: a temporary FTS5 table is made and dropped
+    (through a cursor of ``db``'s, as any statement of the store runs). No file change.
+
+    Raises:
+        sqlite3.Error: any other failure than a missing module.
+    """
+    async with db.cursor() as cur:
+        try:
+            await cur.execute(_FTS5_PROBE)
+        except sqlite3.OperationalError as exc:
+            if is_missing_fts5(exc):
+                return False
+            raise
+        await cur.execute("DROP TABLE temp.fts5_probe")
+    return True
+
+
+def is_missing_fts5(exc: BaseException) -> bool:
+    """Whether SQLite refused a statement because it has no FTS5 module."""
+    return "no such module: fts5" in str(exc).lower()
+
+
+async def text_indexes_kept(db: aiosqlite.Connection) -> bool:
+    """Whether the file's word index is kept (its delete trigger exists): False after an
+    open by a SQLite without FTS5, until one with it rebuilds the indexes."""
+    return await _exists(db, "trigger", "messages_fts_delete")
+
+
+async def disable_text_indexes(db: aiosqlite.Connection) -> None:
+    """For a SQLite without FTS5: drop every trigger that writes to a full-text index (in
+    one transaction) and stop a rebuild of the word index under way, so that writes go on
+    and leave the indexes as they are; then send the fills on ``db`` nowhere
+    (``TEXT_SINKS``). The indexes' tables stay (dropping one needs the module); the next
+    open with FTS5 rebuilds each (``ensure_word_index`` and the others).
+
+    Raises:
+        sqlite3.Error: the file cannot be written.
+    """
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        for name in INDEX_TRIGGERS:
+            await db.execute(f"DROP TRIGGER IF EXISTS {name}")
+        if await _exists(db, "table", "index_rebuild"):
+            await db.execute("DELETE FROM index_rebuild WHERE name = 'messages_fts'")
+        await db.execute("COMMIT")
+    except BaseException:
+        await _rollback(db)
+        raise
+    await db.executescript(TEXT_SINKS)
+
+
+async def ensure_word_index(db: aiosqlite.Connection) -> None:
+    """Make the word index if the file has none, or rebuild it from the messages when its
+    delete trigger is missing (an open by a SQLite without FTS5 dropped it), with its
+    vocabulary and its trigger, in one transaction. Nothing to do when the trigger is
+    there. A rebuilt index keeps its tokenizer (``start_word_reindex`` then decides).
+
+    Raises:
+        sqlite3.Error: the file cannot be read or written.
+    """
+    if await _exists(db, "trigger", "messages_fts_delete"):
+        return
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        if not await _exists(db, "table", "messages_fts"):
+            await db.execute(WORD_TABLE)
+            # Rank on the text column only; the scope column is a filter, not evidence.
+            await db.execute("INSERT INTO messages_fts (messages_fts, rank) "
+                             "VALUES ('rank', 'bm25(1.0, 0.0)')")
+        await db.execute("INSERT INTO messages_fts (messages_fts) VALUES ('rebuild')")
+        await db.execute(WORD_VOCAB)
+        await db.execute(WORD_DELETE)
+        await db.execute("COMMIT")
+    except BaseException:
+        await _rollback(db)
+        raise
+
+
+async def ensure_memory_index(db: aiosqlite.Connection) -> None:
+    """The key-value memories' index, as ``ensure_word_index`` the word index: made, or
+    rebuilt from the memories when any of its three triggers is missing.
+
+    Raises:
+        sqlite3.Error: the file cannot be read or written.
+    """
+    async with db.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger' AND "
+                          "name IN ('memories_fts_insert', 'memories_fts_update', "
+                          "'memories_fts_delete')") as cur:
+        row = await cur.fetchone()
+    if row is not None and row[0] == len(MEMORY_TRIGGERS):
+        return
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        await db.execute(MEMORY_TABLE)
+        await db.execute("INSERT INTO memories_fts (memories_fts) VALUES ('rebuild')")
+        for trigger in MEMORY_TRIGGERS:
+            await db.execute(trigger)
+        await db.execute("COMMIT")
+    except BaseException:
+        await _rollback(db)
+        raise
+
+
 def is_missing_trigram(exc: BaseException) -> bool:
     """Whether SQLite refused the trigram index because it lacks the tokenizer (or, on a
     reader, because the index was never made for that reason)."""
@@ -262,7 +442,6 @@ async def _rollback(db: aiosqlite.Connection) -> None:
 #   - the last step swaps the new index in under the old one's name, in one transaction.
 # Until then searches read the old index: recall answers as before, never from half an
 # index.
-WORD_TOKENIZER = "porter unicode61 remove_diacritics 2"
 REINDEX_SLICE = 2_000
 STEM_TABLE = """
 CREATE VIRTUAL TABLE IF NOT EXISTS messages_stem USING fts5(

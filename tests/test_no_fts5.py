@@ -1,0 +1,259 @@
+"""A SQLite without FTS5: the store runs without its full-text indexes (every write goes on,
+stored as given; searches raise a typed error; recalls find nothing; health says so), and
+the next open by a SQLite with FTS5 rebuilds every index from what was written meanwhile.
+
+Two faults, each SQLite's own refusal: a connection that refuses to make an FTS5 table with
+the message of a SQLite built without the module (``_NoFts5``), and a file whose FTS5 tables
+name a module this SQLite does not have (``_rename_module``), as the file's existing indexes
+look to such a SQLite.
+"""
+# ruff: noqa: RUF001 (Chinese text writes its comma full-width: meant)
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiosqlite
+import pytest
+
+from hermes_async_memory import FullTextUnavailableError, MemoryPipeline, Settings
+from hermes_async_memory.sessions import SessionReads, SessionWrites
+from hermes_async_memory.sessions.reads import open_session_reads
+from hermes_async_memory.store.text_index import INDEX_TRIGGERS, has_cjk
+from hermes_async_memory.supervisor import FULL_TEXT_UNAVAILABLE
+
+CALLS = [{"id": "c1", "type": "function",
+          "function": {"name": "kubectl_rollout", "arguments": '{"service": "billing"}'}}]
+
+
+class _NoFts5Cursor(sqlite3.Cursor):
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        _NoFts5.check(sql)
+        return super().execute(sql, *args)
+
+
+class _NoFts5(sqlite3.Connection):
+    """A connection to a SQLite built without FTS5: making an FTS5 table (or its vocabulary
+    table) fails with that SQLite's message; everything else is the same."""
+
+    @staticmethod
+    def check(sql: str) -> None:
+        if "USING fts5" in sql:
+            raise sqlite3.OperationalError("no such module: fts5")
+
+    def cursor(self, factory: Any = None) -> sqlite3.Cursor:
+        return super().cursor(factory or _NoFts5Cursor)
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        self.check(sql)
+        return super().execute(sql, *args)
+
+    def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        self.check(sql)
+        return super().executemany(sql, *args)
+
+    def executescript(self, sql: str) -> sqlite3.Cursor:
+        self.check(sql)
+        return super().executescript(sql)
+
+
+@pytest.fixture
+def without_fts5(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """Every connection the store opens from now on is ``_NoFts5``'s (undone with
+    ``monkeypatch.undo()``)."""
+    real = aiosqlite.connect
+
+    def connect(database: Any, **kw: Any) -> aiosqlite.Connection:
+        return real(database, factory=_NoFts5, **kw)
+
+    monkeypatch.setattr(aiosqlite, "connect", connect)
+    yield monkeypatch
+
+
+def _rename_module(db: Path, *, missing: bool) -> None:
+    """Make the file's FTS5 tables name modules no SQLite has (``missing``), or their own
+    again: SQLite itself then refuses every use of them, with "no such module: fts5_missing"."""
+    pairs = [("USING fts5vocab(", "USING fts5vocab_missing("),
+             ("USING fts5(", "USING fts5_missing(")]
+    conn = sqlite3.connect(db)
+    try:
+        conn.execute("PRAGMA writable_schema = ON")
+        for old, new in pairs:
+            a, b = (old, new) if missing else (new, old)
+            conn.execute("UPDATE sqlite_master SET sql = replace(sql, ?, ?) "
+                         "WHERE type = 'table'", (a, b))
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def _rows(db: Path, sql: str, *params: object) -> list[tuple[Any, ...]]:
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()
+
+
+def _index_triggers(db: Path) -> set[str]:
+    return {r[0] for r in _rows(db, "SELECT name FROM sqlite_master WHERE type = 'trigger'")
+            } & set(INDEX_TRIGGERS)
+
+
+def _assert_indexes_hold_exactly_the_rows(db: Path) -> None:
+    """Each full-text index holds exactly the rows it is for, and FTS5 finds it sound."""
+    ids = {r[0] for r in _rows(db, "SELECT id FROM messages")}
+    assert {r[0] for r in _rows(db, "SELECT id FROM messages_fts_docsize")} == ids
+    assert {r[0] for r in _rows(db, "SELECT id FROM messages_tools_docsize")} == {
+        r[0] for r in _rows(db, "SELECT id FROM messages WHERE tool_text IS NOT NULL")}
+    assert {r[0] for r in _rows(db, "SELECT id FROM messages_trgm_docsize")} == {
+        r[0] for r in _rows(db, "SELECT id, content FROM messages") if r[1] and has_cjk(r[1])}
+    assert {r[0] for r in _rows(db, "SELECT id FROM memories_fts_docsize")} == {
+        r[0] for r in _rows(db, "SELECT id FROM memories")}
+    # Against every row of their content (rank 1) where they index every row; the others
+    # hold some rows only, so they are checked without it (text_index).
+    _rows(db, "INSERT INTO messages_fts (messages_fts, rank) VALUES ('integrity-check', 1)")
+    _rows(db, "INSERT INTO memories_fts (memories_fts, rank) VALUES ('integrity-check', 1)")
+    _rows(db, "INSERT INTO messages_tools (messages_tools) VALUES ('integrity-check')")
+    _rows(db, "INSERT INTO messages_trgm (messages_trgm) VALUES ('integrity-check')")
+
+
+async def _sessions_found(mem: MemoryPipeline, query: str) -> set[str]:
+    return {h.session_id for h in await SessionReads(mem).search(query, user_id="ann")}
+
+
+def _write_first(mem: MemoryPipeline) -> None:
+    mem.sync_turn("the alpha deploy of billing went out", "noted: alpha deploy done",
+                  session_id="s1", user_id="ann")
+    mem.sync_turn("roll back bravo please", "bravo rollback started", session_id="s2",
+                  user_id="ann")
+
+
+def _write_second(mem: MemoryPipeline) -> None:
+    mem.sync_turn("deploy charlie next", "charlie deploy queued", session_id="s3",
+                  user_id="ann")
+    mem.sync_turn("restart the billing rollout", "the rollout restarted", messages=[
+        {"role": "user", "content": "restart the billing rollout"},
+        {"role": "assistant", "content": "", "tool_calls": CALLS},
+        {"role": "tool", "tool_call_id": "c1", "name": "kubectl_rollout", "content": "ok"},
+        {"role": "assistant", "content": "the rollout restarted"},
+    ], session_id="s4", user_id="ann")
+    mem.sync_turn("大别山项目计划书已经发给你了", "好的，收到", session_id="zh", user_id="ann")
+
+
+async def test_a_new_store_without_fts5_keeps_every_write_says_so_and_is_indexed_later(
+        tmp_path: Path, without_fts5: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "m.db"
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        health = mem.health()
+        assert health.ok and FULL_TEXT_UNAVAILABLE in health.conditions
+        assert "FTS5" in health.conditions[FULL_TEXT_UNAVAILABLE]
+        _write_first(mem)
+        _write_second(mem)
+        await mem.memory.store("ann", "shell", "zsh with starship")
+        await mem.memory.store("ann", "editor", "helix")
+        await mem.flush()
+        # Stored as given, every message of every shape.
+        got = await mem.get_messages("s4")
+        assert [(m["role"], m["content"]) for m in got] == [
+            ("user", "restart the billing rollout"), ("assistant", ""),
+            ("tool", "ok"), ("assistant", "the rollout restarted")]
+        assert got[1]["tool_calls"] == CALLS
+        # Deletes go on: of a session, of a memory.
+        await SessionWrites(mem).delete("s2", user_id="ann")
+        await mem.memory.delete("ann", "editor")
+        await mem.flush()
+        assert await mem.get_messages("s2") == []
+        assert (await mem.memory.retrieve("ann", "shell")).value == "zsh with starship"
+        assert await mem.memory.retrieve("ann", "editor") is None
+        # A search cannot run: said, typed; a recall finds nothing.
+        with pytest.raises(FullTextUnavailableError, match="no FTS5"):
+            await SessionReads(mem).search("deploy", user_id="ann")
+        with pytest.raises(FullTextUnavailableError):
+            await mem.memory.query("ann", "starship")
+        assert await mem.search("deploy", user_id="ann") == ""
+    assert _rows(db, "SELECT name FROM sqlite_master WHERE sql LIKE '%USING fts5%'") == []
+    assert _index_triggers(db) == set()
+
+    without_fts5.undo()  # a SQLite with FTS5 opens it: every index made from the rows
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        assert FULL_TEXT_UNAVAILABLE not in mem.health().conditions
+        _assert_indexes_hold_exactly_the_rows(db)
+        assert _index_triggers(db) == {"messages_fts_delete", "messages_trgm_delete",
+                                       "messages_tools_delete", "memories_fts_insert",
+                                       "memories_fts_update", "memories_fts_delete"}
+        assert await _sessions_found(mem, "deploy") == {"s1", "s3"}
+        assert await _sessions_found(mem, "bravo") == set()
+        assert await _sessions_found(mem, "kubectl_rollout") == {"s4"}  # the tool index
+        assert await _sessions_found(mem, "大别山") == {"zh"}  # the trigram index
+        assert [e.key for e in await mem.memory.query("ann", "starship")] == ["shell"]
+        assert "alpha deploy" in await mem.search("alpha deploy", user_id="ann")
+
+
+async def test_a_store_opened_once_without_fts5_is_rebuilt_by_the_next_open_with_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = tmp_path / "m.db"
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        _write_first(mem)
+        await mem.memory.store("ann", "shell", "zsh with starship")
+        await mem.flush()
+        assert await _sessions_found(mem, "deploy") == {"s1"}
+
+    # Where SQLite has no FTS5: the file's indexes are unreadable there, new ones cannot be
+    # made. Writes and deletes go on; the indexes are left as they were.
+    _rename_module(db, missing=True)
+    with monkeypatch.context() as patched:
+        real = aiosqlite.connect
+        patched.setattr(aiosqlite, "connect",
+                        lambda database, **kw: real(database, factory=_NoFts5, **kw))
+        async with MemoryPipeline(Settings(db_path=db)) as mem:
+            assert FULL_TEXT_UNAVAILABLE in mem.health().conditions
+            _write_second(mem)
+            await SessionWrites(mem).delete("s2", user_id="ann")
+            await mem.memory.store("ann", "editor", "helix")
+            await mem.memory.delete("ann", "shell")
+            await mem.flush()
+            assert [m["content"] for m in await mem.get_messages("s3")] == [
+                "deploy charlie next", "charlie deploy queued"]
+            assert await mem.get_messages("s2") == []
+            with pytest.raises(FullTextUnavailableError):
+                await SessionReads(mem).search("deploy", user_id="ann")
+            assert await mem.search("deploy", user_id="ann") == ""
+        assert _index_triggers(db) == set()  # nothing keeps the indexes now
+
+    _rename_module(db, missing=False)
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        _assert_indexes_hold_exactly_the_rows(db)
+        assert await _sessions_found(mem, "deploy") == {"s1", "s3"}
+        assert await _sessions_found(mem, "rollback") == set()  # s2 was deleted meanwhile
+        assert await _sessions_found(mem, "kubectl_rollout") == {"s4"}
+        assert await _sessions_found(mem, "大别山") == {"zh"}
+        assert [e.key for e in await mem.memory.query("ann", "helix")] == ["editor"]
+        assert await mem.memory.query("ann", "starship") == []
+        # And kept from now on: a delete leaves every index.
+        await SessionWrites(mem).delete("s3", user_id="ann")
+        await mem.flush()
+        assert await _sessions_found(mem, "deploy") == {"s1"}
+        _assert_indexes_hold_exactly_the_rows(db)
+
+
+async def test_a_reader_whose_sqlite_cannot_read_the_indexes_says_so_typed(
+        tmp_path: Path) -> None:
+    """A read-only opener (the inspector, the CLI) beside a writer that keeps the indexes:
+    where its own SQLite lacks the module, a search is refused with the typed error, and
+    every other read works."""
+    db = tmp_path / "m.db"
+    async with MemoryPipeline(Settings(db_path=db)) as mem:
+        _write_first(mem)
+        await mem.flush()
+    _rename_module(db, missing=True)
+    async with open_session_reads(db) as reads:
+        with pytest.raises(FullTextUnavailableError, match="no FTS5"):
+            await reads.search("deploy", user_id="ann")
+        assert {s.id for s in await reads.list_sessions(user_id="ann")} == {"s1", "s2"}
+    _rename_module(db, missing=False)
+    async with open_session_reads(db) as reads:
+        assert {h.session_id for h in await reads.search("deploy", user_id="ann")} == {"s1"}
