@@ -22,6 +22,7 @@ import pytest
 from hermes_async_memory import FullTextUnavailableError, MemoryPipeline, Settings
 from hermes_async_memory.sessions import SessionReads, SessionWrites
 from hermes_async_memory.sessions.reads import open_session_reads
+from hermes_async_memory.sessions.transfer import export_sessions, import_sessions
 from hermes_async_memory.store.text_index import INDEX_TRIGGERS, has_cjk
 from hermes_async_memory.supervisor import FULL_TEXT_UNAVAILABLE
 
@@ -162,11 +163,23 @@ async def test_a_new_store_without_fts5_keeps_every_write_says_so_and_is_indexed
             ("user", "restart the billing rollout"), ("assistant", ""),
             ("tool", "ok"), ("assistant", "the rollout restarted")]
         assert got[1]["tool_calls"] == CALLS
-        # Deletes go on: of a session, of a memory.
-        await SessionWrites(mem).delete("s2", user_id="ann")
+        # Deletes go on: of a session, of a memory; and the other paths that fill the
+        # indexes: an import (s2 exported, deleted, imported again), a replacement.
+        writes = SessionWrites(mem)
+        lines = [line async for line in export_sessions(mem, session_id="s2")]
+        await writes.delete("s2", user_id="ann")
+        await mem.flush()
+        assert await mem.get_messages("s2") == []
+        assert (await import_sessions(mem, lines)).messages == 2
+        writes.replace_messages_nowait("zh", [
+            {"role": "user", "content": "换成了黄山旅游攻略"},
+            {"role": "assistant", "content": "黄山旅游攻略已保存"}], user_id="ann")
+        await writes.delete("s2", user_id="ann")
         await mem.memory.delete("ann", "editor")
         await mem.flush()
         assert await mem.get_messages("s2") == []
+        assert [m["content"] for m in await mem.get_messages("zh")] == [
+            "换成了黄山旅游攻略", "黄山旅游攻略已保存"]
         assert (await mem.memory.retrieve("ann", "shell")).value == "zsh with starship"
         assert await mem.memory.retrieve("ann", "editor") is None
         # A search cannot run: said, typed; a recall finds nothing.
@@ -188,7 +201,8 @@ async def test_a_new_store_without_fts5_keeps_every_write_says_so_and_is_indexed
         assert await _sessions_found(mem, "deploy") == {"s1", "s3"}
         assert await _sessions_found(mem, "bravo") == set()
         assert await _sessions_found(mem, "kubectl_rollout") == {"s4"}  # the tool index
-        assert await _sessions_found(mem, "大别山") == {"zh"}  # the trigram index
+        assert await _sessions_found(mem, "黄山旅游") == {"zh"}  # the trigram index
+        assert await _sessions_found(mem, "大别山") == set()  # replaced
         assert [e.key for e in await mem.memory.query("ann", "starship")] == ["shell"]
         assert "alpha deploy" in await mem.search("alpha deploy", user_id="ann")
 
