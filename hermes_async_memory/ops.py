@@ -60,9 +60,10 @@ TEMPLATE_ACTIONS = frozenset({"put", "delete", "use", "outcome"})
 PUT_MODES = frozenset({"save", "keep", "auto"})
 # An imported message: id, turn key, ordinal, role, content, tool calls (JSON text), tool call
 # id, tool name, timestamp, user id, metadata (JSON text), token count, fields (JSON text: the
-# keys no column holds, ``turns.message_row``), active (1, or 0: set aside by the host); as
-# exported. An earlier version's record has no active flag (13: active), nor fields (12).
-IMPORTED_MESSAGE_FIELDS = 14
+# keys no column holds, ``turns.message_row``), active (1, or 0: set aside by the host),
+# compacted (1: set aside by a compaction, still found by Hermes's search); as exported. An
+# earlier version's record has no compacted flag (14), no active flag (13), nor fields (12).
+IMPORTED_MESSAGE_FIELDS = 15
 # An imported session's row (the record's ``row``): every column of the sessions table but its
 # id, as exported, with the type its value has (an int is taken for a float) and whether it
 # may be null. A column a row leaves out (an earlier version's line) takes the table's
@@ -410,13 +411,14 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
         # Everything the import's statements need is checked here, where a record is read:
         # a part that failed in its batch would fail the batch's other records with it.
         if type(messages) is not list or not all(
-                type(m) is list and IMPORTED_MESSAGE_FIELDS - 2 <= len(m)
+                type(m) is list and IMPORTED_MESSAGE_FIELDS - 3 <= len(m)
                 <= IMPORTED_MESSAGE_FIELDS
                 and type(m[0]) is int and 0 < m[0] < 2**63 and type(m[1]) is str
                 and type(m[3]) is str
                 and (type(m[8]) is int or (type(m[8]) is float and math.isfinite(m[8])))
                 and (len(m) < 13 or m[12] is None or type(m[12]) is str)
                 and (len(m) < 14 or m[13] in (0, 1))
+                and (len(m) < 15 or m[14] in (0, 1))
                 for m in messages):
             raise TypeError("the imported messages are mistyped")
         if len({m[0] for m in messages}) != len(messages):
@@ -584,7 +586,7 @@ def _holds_nul(*values: Any) -> bool:
             if "\x00" in v:
                 return True
         elif type(v) is list:
-            stack.extend(v[:12] if len(v) == IMPORTED_MESSAGE_FIELDS else v)
+            stack.extend(v[:12] if len(v) >= IMPORTED_MESSAGE_FIELDS - 1 else v)
         elif type(v) is dict:
             stack.extend(v.values())
     return False

@@ -407,13 +407,17 @@ async def test_every_session_column_and_message_flag_round_trips(mem: MemoryPipe
         *sets.values())
     sql(db, "UPDATE messages SET active = 0 WHERE session_id = 'h' AND content LIKE 'rew%' "
             "OR content = 'no'")
+    sql(db, "UPDATE messages SET compacted = 1 WHERE session_id = 'h' AND content = 'no'")
     before = await export(mem)
     row = json.loads(before[0])
     assert all(row[name] == value for name, value in sets.items())
     assert [m["active"] for m in row["messages"]] == [0, 0, 1, 1]
+    assert [m.get("compacted") for m in row["messages"]] == [None, 1, None, None]
     await delete_all(mem)
     assert await mem.sessions.import_lines(before) == ImportResult(1, 0, 4)
     assert await export(mem) == before
+    assert sql(db, "SELECT active, compacted FROM messages WHERE session_id = 'h' "
+                   "ORDER BY id") == [(0, 0), (0, 1), (1, 0), (1, 0)]
 
 
 async def test_an_earlier_versions_line_still_imports(mem: MemoryPipeline) -> None:

@@ -3,6 +3,7 @@
 
     hermes-memory hermes install [--hermes-home DIR] [--force]
                                  [--session-store | --no-session-store]
+    hermes-memory hermes import-state [--hermes-home DIR] [--from PATH] [--db PATH] [--json]
 
 writes ``$HERMES_HOME/plugins/hermes_async_memory/{__init__.py,plugin.yaml}``. Hermes loads it
 when ``memory.provider: hermes_async_memory`` is set in ``$HERMES_HOME/config.yaml``. Its
@@ -112,6 +113,71 @@ def register(commands: Any) -> None:
         help="where the session store's .pth file goes (default: this Python's site-packages)",
     )
     install.set_defaults(handler=_install, session_store=None)
+    state = hermes.add_parser(
+        "import-state", help="bring Hermes's own session store (state.db) into this store",
+        description="Import every session of Hermes Agent's own session store (its state.db, "
+                    "of any version Hermes 0.19 opens) into this library's store, which "
+                    "Hermes uses after `hermes-memory hermes install --session-store`. The "
+                    "state.db is left untouched (read through a snapshot); sessions the store "
+                    "has already are skipped, so running it again finishes a run cut short.",
+    )
+    state.add_argument(
+        "--hermes-home", metavar="DIR", default=None,
+        help="the Hermes home (default: $HERMES_HOME, else ~/.hermes)",
+    )
+    state.add_argument(
+        "--from", dest="source", metavar="PATH", default=None,
+        help="Hermes's session store (default: state.db in the Hermes home)",
+    )
+    state.add_argument(
+        "--db", metavar="PATH", default=None,
+        help="this library's store (default: the one Hermes's sessions live in with "
+             "--session-store, memory/hermes_async_memory.db in the Hermes home)",
+    )
+    state.add_argument("--json", action="store_true", help="print JSON")
+    state.set_defaults(handler=_import_state)
+
+
+def _import_state(args: argparse.Namespace) -> int:
+    import sys
+    from pathlib import Path
+
+    import anyio
+
+    from ..cli.common import print_json, writing
+    from ..logs import configure_logging
+    from ..settings import Settings
+    from .config import DEFAULT_DB, default_hermes_home
+    from .migrate import import_hermes_state
+
+    configure_logging(level="warning")  # stdout is the report's; warnings go to stderr
+    home = Path(args.hermes_home).expanduser() if args.hermes_home else default_hermes_home()
+    source = Path(args.source).expanduser() if args.source else home / "state.db"
+    target = Path(args.db).expanduser() if args.db else home / DEFAULT_DB
+    show = sys.stderr.isatty() and not args.json
+
+    def progress(done: int, found: int) -> None:
+        if show:
+            print(f"\r{done:,} of {found:,} sessions", end="", file=sys.stderr, flush=True)
+
+    async def run() -> dict[str, object]:
+        async with writing(Settings.from_env(db_path=target)) as mem:
+            return (await import_hermes_state(mem, source, progress=progress)).as_dict()
+
+    done = anyio.run(run)
+    if show:
+        print(file=sys.stderr)
+    if args.json:
+        print_json({**done, "from": str(source), "db": str(target)})
+        return 0
+    detached = done["detached"]
+    assert isinstance(detached, list)
+    print(f"imported {done['imported']} of {done['found']} sessions ({done['messages']} "
+          f"messages) from {source} into {target}; {done['skipped']} already there, "
+          f"skipped; {source} is unchanged"
+          + (f"; {len(detached)} imported without their parent (not in the file): "
+             f"{', '.join(detached)}" if detached else ""))
+    return 0
 
 
 def _install(args: argparse.Namespace) -> int:

@@ -15,8 +15,8 @@ What differs from Hermes's own, by design (docs/hermes.md, "Hermes's session sto
 
 - The file is a store of ours: the same sessions and messages (with Hermes's column names,
   so ``_conn`` reads as Hermes's code expects) and our memory beside them. Hermes's own
-  ``state.db`` is refused, untouched; ``hermes-memory sessions import`` brings its sessions
-  over.
+  ``state.db`` is refused, untouched; ``hermes-memory hermes import-state`` brings its
+  sessions over (``migrate``).
 - Messages keep every key they were given (``turns.message_row``); a lone surrogate in their
   text (content, tool name, reasoning, api_content) is stored as U+FFFD, as Hermes does.
 - A message's tool name and tool calls are searched in an index of their own beside the
@@ -28,7 +28,8 @@ What differs from Hermes's own, by design (docs/hermes.md, "Hermes's session sto
   commit could fail on. No foreign keys: a delete handles its session's messages and
   children itself. The full-text indexes merge as FTS5's automerge does; no write path
   runs ``optimize_fts`` on a cadence.
-- SQLite must have FTS5 (every store of ours indexes its messages with it).
+- On a SQLite without FTS5 the store keeps no full-text index (``store.text_index``):
+  ``_fts_enabled`` is False and a search finds nothing, as Hermes's does.
 - One process commits a store; several processes share one through ``hermes-memory worker``.
 - Not here: Hermes's Telegram topic bindings, gateway routing index and handoff state
   machine, its WAL helper (``apply_wal_with_fallback``) and its private write hook
@@ -1279,61 +1280,10 @@ class SessionDB:
 
     def _import_line(self, raw: Any, sid: str, seen: Sequence[str]) -> tuple[str, int, int]:
         """One session of Hermes's import payload as our export line, checked as Hermes
-        checks it: (the line, its messages, its size).
-
-        Raises:
-            ValueError: with Hermes's words for what is wrong.
-        """
-        if not isinstance(raw, dict):
-            raise ValueError("session must be an object")
-        if not sid:
-            raise ValueError("session id is required")
-        if sid in seen:
-            raise ValueError("duplicate session id")
-        messages = raw.get("messages") or []
-        if not isinstance(messages, list):
-            raise ValueError("messages must be a list")
-        if len(messages) > self._IMPORT_MAX_MESSAGES_PER_SESSION:
-            raise ValueError("messages exceeds the per-session import limit")
-        if any(not isinstance(m, dict) for m in messages):
-            raise ValueError("messages must contain only objects")
-        try:
-            size = len(json.dumps(raw, ensure_ascii=False, separators=(",", ":")).encode())
-        except (TypeError, ValueError):
-            raise ValueError("session must be JSON serializable") from None
-        if size > self._IMPORT_MAX_SESSION_BYTES:
-            raise ValueError("session exceeds the import size limit")
-        row = {k: raw.get(k) for k in reads.SESSION_COLUMNS if k in raw}
-        config = row.get("model_config")
-        if isinstance(config, str):
-            try:
-                config = json.loads(config)
-            except ValueError:
-                raise ValueError("model_config must be valid JSON") from None
-        if config is not None and not isinstance(config, dict):
-            raise ValueError("model_config must be a JSON object")
-        for name in ("parent_session_id", *_IMPORT_TEXT_FIELDS):
-            if row.get(name) is not None and not isinstance(row[name], str):
-                raise ValueError(f"{name} must be a string")
-        started = _number_or(row.get("started_at"), time.time())
-        converted = [_import_message(sid, i, m, started) for i, m in enumerate(messages)]
-        row.update({
-            "id": sid, "source": row.get("source") or "import", "started_at": started,
-            "model_config": None if config is None else json.dumps(config),
-            "message_count": len(converted),
-            "tool_call_count": sum(len(m["message"].get("tool_calls") or ())
-                                   for m in converted),
-            # A channel's live state belongs to the process that ran it, not to history.
-            "handoff_state": None, "handoff_platform": None, "handoff_error": None,
-            "rewind_count": 0, "archived": 1 if raw.get("archived") else 0,
-        })
-        for name in ("ended_at", "estimated_cost_usd", "actual_cost_usd"):
-            row[name] = _number_or(row.get(name), None)
-        for name in ("input_tokens", "output_tokens", "cache_read_tokens",
-                     "cache_write_tokens", "reasoning_tokens", "api_call_count"):
-            row[name] = int(_number_or(row.get(name), 0))
-        row["updated_at"] = row.get("ended_at") or started
-        return json.dumps({**row, "messages": converted}), len(converted), size
+        checks it, within Hermes's bounds (``hermes_session_line``)."""
+        return hermes_session_line(raw, sid, seen,
+                                   max_messages=self._IMPORT_MAX_MESSAGES_PER_SESSION,
+                                   max_bytes=self._IMPORT_MAX_SESSION_BYTES)
 
     def delete_session(self, session_id: str, sessions_dir: Path | None = None) -> bool:
         """Delete the session and its messages, with the subagent runs it spawned
@@ -1482,6 +1432,75 @@ _MESSAGE_TEXT_FIELDS = ("tool_call_id", "tool_name", "effect_disposition", "fini
 _MESSAGE_JSON_FIELDS = ("reasoning_details", "codex_reasoning_items", "codex_message_items")
 
 
+def hermes_session_line(raw: Any, sid: str, seen: Sequence[str], *, max_messages: int | None,
+                        max_bytes: int | None, as_stored: bool = False
+                        ) -> tuple[str, int, int]:
+    """One session of Hermes's export (``export_session``, ``export_all``) as our export line,
+    checked as Hermes checks an import: (the line, its messages, its size). ``max_messages``,
+    ``max_bytes``: its bounds (Hermes's import has them; None: none). The message and
+    tool-call counts are those of the messages given, and the rewinds start at 0, as
+    Hermes's import has them; with ``as_stored`` (a session read from Hermes's own file,
+    every message of it), the row's own counts are kept.
+
+    Raises:
+        ValueError: with Hermes's words for what is wrong.
+    """
+    if not isinstance(raw, dict):
+        raise ValueError("session must be an object")
+    if not sid:
+        raise ValueError("session id is required")
+    if sid in seen:
+        raise ValueError("duplicate session id")
+    messages = raw.get("messages") or []
+    if not isinstance(messages, list):
+        raise ValueError("messages must be a list")
+    if max_messages is not None and len(messages) > max_messages:
+        raise ValueError("messages exceeds the per-session import limit")
+    if any(not isinstance(m, dict) for m in messages):
+        raise ValueError("messages must contain only objects")
+    try:
+        size = len(json.dumps(raw, ensure_ascii=False, separators=(",", ":")).encode())
+    except (TypeError, ValueError):
+        raise ValueError("session must be JSON serializable") from None
+    if max_bytes is not None and size > max_bytes:
+        raise ValueError("session exceeds the import size limit")
+    row = {k: raw.get(k) for k in reads.SESSION_COLUMNS if k in raw}
+    config = row.get("model_config")
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError:
+            raise ValueError("model_config must be valid JSON") from None
+    if config is not None and not isinstance(config, dict):
+        raise ValueError("model_config must be a JSON object")
+    for name in ("parent_session_id", *_IMPORT_TEXT_FIELDS):
+        if row.get(name) is not None and not isinstance(row[name], str):
+            raise ValueError(f"{name} must be a string")
+    started = _number_or(row.get("started_at"), time.time())
+    converted = [_import_message(sid, i, m, started) for i, m in enumerate(messages)]
+    row.update({
+        "id": sid, "source": row.get("source") or "import", "started_at": started,
+        "model_config": None if config is None else json.dumps(config),
+        "message_count": len(converted),
+        "tool_call_count": sum(len(m["message"].get("tool_calls") or ())
+                               for m in converted),
+        # A channel's live state belongs to the process that ran it, not to history.
+        "handoff_state": None, "handoff_platform": None, "handoff_error": None,
+        "rewind_count": 0, "archived": 1 if raw.get("archived") else 0,
+    })
+    for name in ("ended_at", "estimated_cost_usd", "actual_cost_usd"):
+        row[name] = _number_or(row.get(name), None)
+    for name in ("input_tokens", "output_tokens", "cache_read_tokens",
+                 "cache_write_tokens", "reasoning_tokens", "api_call_count"):
+        row[name] = int(_number_or(row.get(name), 0))
+    if as_stored:
+        for name in ("message_count", "tool_call_count", "rewind_count"):
+            if type(raw.get(name)) is int:
+                row[name] = raw[name]
+    row["updated_at"] = row.get("ended_at") or started
+    return json.dumps({**row, "messages": converted}), len(converted), size
+
+
 def _import_message(sid: str, index: int, m: Mapping[str, Any], started: float
                     ) -> dict[str, Any]:
     """A message of Hermes's export (a ``get_messages`` row) as our export line holds it:
@@ -1522,10 +1541,13 @@ def _import_message(sid: str, index: int, m: Mapping[str, Any], started: float
     if stamp is not None:
         message["timestamp"] = stamp
     mid = m.get("id")
-    return {"id": mid if type(mid) is int and mid > 0 else index + 1,
+    line = {"id": mid if type(mid) is int and mid > 0 else index + 1,
             "turn_key": f"{sid}#{index}", "role": role,
             "timestamp": stamp if stamp is not None else started,
             "active": 0 if m.get("active") == 0 else 1, "message": message}
+    if m.get("compacted"):
+        line["compacted"] = 1
+    return line
 
 
 def _number_or(value: Any, default: Any) -> Any:

@@ -5,7 +5,8 @@
 billing_*, costs, api_call_count, ...; ``ops.IMPORTED_ROW_COLUMNS``), and ``messages``, in
 order, each as ``get_messages`` reads it: id, session id, turn key, role, content, tool
 calls, tool-call id, tool name, timestamp, user, metadata (tool calls and metadata decoded),
-token count, ``active`` (0: set aside by the host) and ``message``, the message exactly as
+token count, ``active`` (0: set aside by the host), ``compacted`` (1, only where set: set
+aside by a compaction, still found by Hermes's search) and ``message``, the message exactly as
 it was handed over. The columns ``message`` also gives (role, content, tool calls, tool-call
 id, tool name) stay beside it, so that a line reads as ``get_messages`` and the CLI's
 ``show --json`` do (``jq '.messages[].content'``); the others (id, turn, timestamp, user,
@@ -472,9 +473,11 @@ def _messages(raw: object, number: int, limits: ImportLimits) -> list[list[Any]]
             raise InvalidImportError(
                 f"{where}: token_count must be null or an integer from 0 to {MAX_TOKENS}",
                 number)
-        active = m.get("active", 1)
+        active, compacted = m.get("active", 1), m.get("compacted", 0)
         if active not in (0, 1) or type(active) not in (int, bool):
             raise InvalidImportError(f"{where}: active must be 0 or 1", number)
+        if compacted not in (0, 1) or type(compacted) not in (int, bool):
+            raise InvalidImportError(f"{where}: compacted must be 0 or 1", number)
         md = m.get("metadata")
         try:  # JSON text as sync_turn writes it: NUL and lone surrogates as escapes
             md_text = None if md is None else _ENCODE(md)
@@ -498,7 +501,7 @@ def _messages(raw: object, number: int, limits: ImportLimits) -> list[list[Any]]
         ordinals[turn] = ordinal + 1
         out.append([mid, turn, ordinal, row[0], row[1], row[2], row[3], row[4], float(stamp),
                     user, md_text, tokens if "token_count" in m else row[5], row[7],
-                    int(active)])
+                    int(active), int(compacted)])
     return out
 
 

@@ -101,9 +101,11 @@ def check_store_file(path: Path) -> None:
     if tables and not all(t in tables for t in _OUR_TABLES):
         what = ("Hermes Agent's own session store" if {"state_meta", "sessions", "messages"}
                 <= tables else "another program's SQLite database")
+        hint = (f"; `hermes-memory hermes import-state --from {path}` brings its sessions "
+                "into a store of ours" if what.startswith("Hermes") else "")
         raise ForeignStoreError(
             f"{path} is {what}, not a hermes-async-memory store; it was left untouched "
-            "(choose another file for the store)")
+            f"(choose another file for the store{hint})")
 
 
 class Connections:

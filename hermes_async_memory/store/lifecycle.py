@@ -172,6 +172,8 @@ FROM (SELECT json({row}) AS r) WHERE true
 ON CONFLICT (id) DO NOTHING;
 """
 _ROW_ALWAYS = ("source", "started_at", "updated_at")
+# A session's messages as an export line has them: get_messages' columns and compacted.
+_EXPORT_MESSAGES = SESSION_MESSAGES.replace(" FROM messages", ", compacted FROM messages", 1)
 IMPORT_NEW = """
 EXISTS (SELECT 1 FROM sessions WHERE id = {id} AND started_at = {started})
 AND NOT EXISTS (SELECT 1 FROM messages WHERE session_id = {id} AND turn_key = {first_turn})
@@ -185,13 +187,14 @@ INSERT INTO temp.import_fresh (n) SELECT {kept} AND {free} WHERE ({new});
 _KEPT = "(SELECT n FROM temp.import_fresh)"
 _IMPORT_COLUMNS = """{id}, e.value ->> 1, e.value ->> 2, e.value ->> 3, e.value ->> 4,
        e.value ->> 5, e.value ->> 6, e.value ->> 7, e.value ->> 8, e.value ->> 9, {scope},
-       e.value ->> 10, e.value ->> 11, e.value ->> 12, coalesce(e.value ->> 13, 1)
+       e.value ->> 10, e.value ->> 11, e.value ->> 12, coalesce(e.value ->> 13, 1),
+       coalesce(e.value ->> 14, 0)
 FROM json_each({rows}) AS e"""
 _IMPORT_ID = f"iif({_KEPT}, e.value ->> 0, {{first}} + e.key)"
 IMPORT_MESSAGES = IMPORT_CHOICE + """
 INSERT INTO messages (id, session_id, turn_key, ordinal, role, content, tool_calls,
                       tool_call_id, tool_name, timestamp, user_id, scope, metadata, token_count,
-                      fields, active)
+                      fields, active, compacted)
 SELECT """ + _IMPORT_ID + ", " + _IMPORT_COLUMNS + """
 WHERE EXISTS (SELECT 1 FROM temp.import_fresh) ORDER BY e.key;
 INSERT INTO messages_fts (rowid, content, scope)
@@ -328,7 +331,8 @@ def _import_messages(op: SessionOp, ids: MessageIds | None) -> str:
         first = ids.for_record(op.record_key, len(messages))
     floor = ids.floor if ids is not None else 0
     kept = int(all(m[0] < floor for m in messages))
-    pad = [None, 1]  # an earlier version's record: no fields (12), no active flag (13)
+    # An earlier version's record: no fields (12), no active flag (13), no compacted (14).
+    pad = [None, 1, 0]
     rows = sql_literal(_JSON.encode([
         m if len(m) == IMPORTED_MESSAGE_FIELDS else [*m, *pad[len(m) - IMPORTED_MESSAGE_FIELDS:]]
         for m in messages]))
@@ -450,7 +454,10 @@ class Lifecycle(Connections):
                 sessions = await fetch_dicts(
                     db, f"SELECT * FROM sessions{where} ORDER BY started_at, id", params)
                 for session in sessions:
-                    rows = await fetch_dicts(db, SESSION_MESSAGES, (session["id"],))
+                    rows = await fetch_dicts(db, _EXPORT_MESSAGES, (session["id"],))
+                    for r in rows:  # the flag only where it is set, as earlier lines read
+                        if r.pop("compacted"):
+                            r["compacted"] = 1
                     yield session, [decode_message(r) for r in rows]
             finally:
                 await db.execute("COMMIT")
