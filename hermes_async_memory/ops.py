@@ -399,7 +399,7 @@ def parse_session(doc: Mapping[str, Any], payload: str) -> SessionOp:
     if source is not None and type(source) is not str:
         raise TypeError("the source is not a string")
     if "\\u0000" in payload and _holds_nul(fields, reason, source, doc.get("row"),
-                                             doc.get("m")):
+                                             _message_columns(doc.get("m"))):
         raise ValueError("the event holds U+0000 in a text column")
     row = messages = started = None
     if action == "import":
@@ -575,6 +575,14 @@ def _finite(value: Any) -> bool:
     return _number(value) and math.isfinite(value)
 
 
+def _message_columns(messages: Any) -> Any:
+    """An import record's messages as ``_holds_nul`` reads them: each row's columns before
+    its fields (12: JSON text, which holds U+0000 as an escape)."""
+    if type(messages) is not list:
+        return messages
+    return [m[:12] if type(m) is list else m for m in messages]
+
+
 def _holds_nul(*values: Any) -> bool:
     """Whether text a statement writes into a column holds U+0000 (SQLite's JSON functions
     end text there). JSON text inside it (a message's fields, its metadata) holds U+0000 as
@@ -586,7 +594,7 @@ def _holds_nul(*values: Any) -> bool:
             if "\x00" in v:
                 return True
         elif type(v) is list:
-            stack.extend(v[:12] if len(v) >= IMPORTED_MESSAGE_FIELDS - 1 else v)
+            stack.extend(v)
         elif type(v) is dict:
             stack.extend(v.values())
     return False

@@ -202,12 +202,9 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     """
     s, store = p.settings, p.store
     role = s.role
-    await store.open()
-    if not store.full_text:
-        p.conditions.set(FULL_TEXT_UNAVAILABLE,
-                         f"this SQLite has no FTS5 module: {store.path} keeps no full-text "
-                         "index, so searches fail and recalls find nothing (writes go on; "
-                         "a SQLite with FTS5 rebuilds the indexes when it opens the store)")
+    # The full-text indexes are turned off only by the process that commits, once it holds
+    # the outbox's lock: a start that fails on it, or a producer, never does.
+    await store.open(commits=False)
     outbox: Outbox | None = None
     try:
         first_segment = await store.next_segment()
@@ -231,6 +228,13 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
                 store.ids.reserve(key, n)
             outbox.give_ids(store.ids)
             store.ids.oldest_pending = outbox.oldest_pending_first_id
+            await store.settle_text_indexes()
+        if not store.full_text:
+            p.conditions.set(FULL_TEXT_UNAVAILABLE,
+                             f"{store.path} keeps no full-text index (no FTS5 module in this "
+                             "SQLite, or in the committing process's): searches fail and "
+                             "recalls find nothing; writes go on, and the next process with "
+                             "FTS5 to commit the store rebuilds the indexes")
         if not outbox.accepting():
             # Started all the same, so the writer drains what is pending (that frees room):
             # appends are refused, typed, until maintenance makes a segment.

@@ -217,3 +217,27 @@ def test_parents_come_before_their_children_and_a_cycle_is_cut() -> None:
                            ("p", "q"), ("q", "p"), ("orphan", "gone")])
     assert order.index("a") < order.index("b") < order.index("c")
     assert sorted(order) == sorted(["a", "b", "c", "x", "p", "q", "orphan"])
+
+
+async def test_a_state_db_hermes_has_open_comes_over_as_it_stands(tmp_path: Path) -> None:
+    """Hermes running: its last writes are in the write-ahead log, not yet in the file; the
+    snapshot reads them through SQLite, and the file itself is not changed."""
+    source = tmp_path / "state.db"
+    live = hermes_state.SessionDB(db_path=source)
+    try:
+        live.create_session(session_id="live", source="cli")
+        for i in range(30):
+            live.append_message("live", role="user" if i % 2 == 0 else "assistant",
+                                content=f"message {i}")
+        assert source.with_name("state.db-wal").exists()
+        digest = _digest(source)
+        async with MemoryPipeline(Settings(db_path=tmp_path / "ours.db")) as mem:
+            report = await import_hermes_state(mem, source)
+            assert (report.imported, report.messages) == (1, 30)
+            got = await mem.get_messages("live")
+            assert [m["content"] for m in got] == [f"message {i}" for i in range(30)]
+        assert _digest(source) == digest
+        live.append_message("live", role="user", content="Hermes goes on")  # unharmed
+        assert len(live.get_messages("live")) == 31
+    finally:
+        live.close()

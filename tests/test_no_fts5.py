@@ -20,12 +20,14 @@ import aiosqlite
 import pytest
 
 from hermes_async_memory import FullTextUnavailableError, MemoryPipeline, Settings
+from hermes_async_memory.outbox.log import OutboxBusyError
 from hermes_async_memory.sessions import SessionReads, SessionWrites
 from hermes_async_memory.sessions.reads import open_session_reads
 from hermes_async_memory.sessions.transfer import export_sessions, import_sessions
 from hermes_async_memory.store.text_index import INDEX_TRIGGERS, has_cjk
 from hermes_async_memory.supervisor import FULL_TEXT_UNAVAILABLE
 
+_CONNECT = aiosqlite.connect  # as imported: a SQLite with FTS5
 CALLS = [{"id": "c1", "type": "function",
           "function": {"name": "kubectl_rollout", "arguments": '{"service": "billing"}'}}]
 
@@ -174,10 +176,12 @@ async def test_a_new_store_without_fts5_keeps_every_write_says_so_and_is_indexed
         writes.replace_messages_nowait("zh", [
             {"role": "user", "content": "换成了黄山旅游攻略"},
             {"role": "assistant", "content": "黄山旅游攻略已保存"}], user_id="ann")
-        await writes.delete("s2", user_id="ann")
+        await writes.delete("s3", user_id="ann")
         await mem.memory.delete("ann", "editor")
         await mem.flush()
-        assert await mem.get_messages("s2") == []
+        assert [m["content"] for m in await mem.get_messages("s2")] == [
+            "roll back bravo please", "bravo rollback started"]
+        assert await mem.get_messages("s3") == []
         assert [m["content"] for m in await mem.get_messages("zh")] == [
             "换成了黄山旅游攻略", "黄山旅游攻略已保存"]
         assert (await mem.memory.retrieve("ann", "shell")).value == "zsh with starship"
@@ -190,16 +194,18 @@ async def test_a_new_store_without_fts5_keeps_every_write_says_so_and_is_indexed
         assert await mem.search("deploy", user_id="ann") == ""
     assert _rows(db, "SELECT name FROM sqlite_master WHERE sql LIKE '%USING fts5%'") == []
     assert _index_triggers(db) == set()
+    assert _rows(db, "SELECT count(*) FROM text_index_off") == [(1,)]  # marked not kept
 
     without_fts5.undo()  # a SQLite with FTS5 opens it: every index made from the rows
     async with MemoryPipeline(Settings(db_path=db)) as mem:
         assert FULL_TEXT_UNAVAILABLE not in mem.health().conditions
         _assert_indexes_hold_exactly_the_rows(db)
+        assert _rows(db, "SELECT count(*) FROM text_index_off") == [(0,)]
         assert _index_triggers(db) == {"messages_fts_delete", "messages_trgm_delete",
                                        "messages_tools_delete", "memories_fts_insert",
                                        "memories_fts_update", "memories_fts_delete"}
-        assert await _sessions_found(mem, "deploy") == {"s1", "s3"}
-        assert await _sessions_found(mem, "bravo") == set()
+        assert await _sessions_found(mem, "deploy") == {"s1"}  # s3 was deleted
+        assert await _sessions_found(mem, "bravo") == {"s2"}  # imported
         assert await _sessions_found(mem, "kubectl_rollout") == {"s4"}  # the tool index
         assert await _sessions_found(mem, "黄山旅游") == {"zh"}  # the trigram index
         assert await _sessions_found(mem, "大别山") == set()  # replaced
@@ -271,3 +277,52 @@ async def test_a_reader_whose_sqlite_cannot_read_the_indexes_says_so_typed(
     _rename_module(db, missing=False)
     async with open_session_reads(db) as reads:
         assert {h.session_id for h in await reads.search("deploy", user_id="ann")} == {"s1"}
+
+
+def _no_fts5_connect(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aiosqlite, "connect",
+                        lambda database, **kw: _CONNECT(database, factory=_NoFts5, **kw))
+
+
+@pytest.mark.parametrize("writer_has_fts5", [True, False])
+async def test_only_the_committing_process_settles_the_indexes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer_has_fts5: bool) -> None:
+    """Beside a running writer, a start whose SQLite differs from the writer's (one that
+    fails on the outbox's lock, as `hermes-memory` commands try first; or a producer)
+    leaves the indexes as the writer keeps them: every delete and update of the writer
+    after it still reaches them (or, without FTS5, none of them fails)."""
+    db = tmp_path / "m.db"
+    if not writer_has_fts5:
+        _no_fts5_connect(monkeypatch)
+    async with MemoryPipeline(Settings(db_path=db)) as writer:
+        _write_first(writer)
+        await writer.memory.store("ann", "editor", "helix")
+        await writer.flush()
+        triggers = _index_triggers(db)
+        assert bool(triggers) is writer_has_fts5
+        with monkeypatch.context() as other:
+            if writer_has_fts5:
+                _no_fts5_connect(other)
+            else:
+                other.setattr(aiosqlite, "connect", _CONNECT)
+            with pytest.raises(OutboxBusyError):
+                await MemoryPipeline(Settings(db_path=db)).start()
+            async with MemoryPipeline(Settings(db_path=db, role="producer")) as producer:
+                # Its own SQLite lacks FTS5, or the writer's does: no search here.
+                assert FULL_TEXT_UNAVAILABLE in producer.health().conditions
+            assert _index_triggers(db) == triggers
+        await SessionWrites(writer).delete("s1", user_id="ann")
+        await writer.memory.store("ann", "editor", "vim")
+        await writer.flush()
+        assert await writer.get_messages("s1") == []
+        if writer_has_fts5:
+            _assert_indexes_hold_exactly_the_rows(db)
+            assert await _sessions_found(writer, "deploy") == set()
+            assert [e.value for e in await writer.memory.query("ann", "vim")] == ["vim"]
+            assert await writer.memory.query("ann", "helix") == []
+    monkeypatch.undo()
+    if not writer_has_fts5:  # the next writer with FTS5 finds them to rebuild
+        async with MemoryPipeline(Settings(db_path=db)) as mem:
+            _assert_indexes_hold_exactly_the_rows(db)
+            assert await _sessions_found(mem, "bravo") == {"s2"}
+            assert [e.value for e in await mem.memory.query("ann", "vim")] == ["vim"]

@@ -21,7 +21,11 @@ from structlog.testing import capture_logs
 
 from hermes_async_memory import MemoryPipeline, Settings, cli
 from hermes_async_memory.errors import ConfigurationError, QueueFullError
-from hermes_async_memory.ops import IMPORTED_ROW_COLUMNS
+from hermes_async_memory.ops import (
+    IMPORTED_ROW_COLUMNS,
+    encode_session_op,
+    parse_session_record,
+)
 from hermes_async_memory.sessions import (
     ImportIncompleteError,
     ImportLimitError,
@@ -508,3 +512,26 @@ async def test_the_cli_round_trips_odd_text_and_refuses_a_bad_file_whole(
     assert second.read_bytes().splitlines()[0] == first.read_bytes().splitlines()[0]
     again = await run_cli("sessions", "import", str(first), "--db", db)
     assert again.out.strip() == "imported 0 sessions (0 messages); 2 already there, skipped"
+
+
+@pytest.mark.parametrize("n", [1, 13, 14, 15, 40])
+def test_an_import_record_with_nul_in_any_message_is_refused_when_read(n: int) -> None:
+    """A record handed in by hand (the library writes U+0000 as U+FFFD in a column) whose
+    message text holds U+0000 is refused where it is read, whatever its messages' count:
+    SQLite's JSON functions would cut the text there. Rows of 12 to 15 fields (the versions
+    before) are all read."""
+    def row(i: int, size: int) -> list[Any]:
+        base = [i + 1, f"t{i}", 0, "user", f"text {i}", None, None, None, 1.0, "ann", None,
+                None, None, 1, 1]
+        return base[:size]
+
+    for size in (12, 13, 14, 15):
+        messages = [row(i, size) for i in range(n)]
+        ok = encode_session_op("k", "s", "ann", 1.0, "import", row=None, messages=messages,
+                               started_at=1.0)
+        assert parse_session_record(ok) is not None
+        messages[-1][4] = "cut\x00here"
+        bad = encode_session_op("k", "s", "ann", 1.0, "import", row=None, messages=messages,
+                                started_at=1.0)
+        with pytest.raises(ValueError, match="U\\+0000"):
+            parse_session_record(bad)

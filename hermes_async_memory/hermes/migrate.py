@@ -100,16 +100,24 @@ def hermes_own_state() -> ModuleType:
 
 def snapshot(source: Path, copy: Path) -> None:
     """Copy the SQLite file ``source`` to ``copy`` as one consistent state, through a
-    read-only connection (immutable when no write-ahead log is there: even a read-only
-    connection to a database in WAL mode makes its -shm file otherwise).
+    read-only connection. Immutable (no locks, no -shm made beside it) only for a file in
+    WAL mode with no write-ahead log there, which no process is writing; else it takes
+    SQLite's shared lock, so a writer (Hermes falls back to a rollback journal where WAL
+    does not work) cannot change it under the copy.
 
     Raises:
         StoreError: ``source`` is missing or cannot be read as SQLite.
     """
     if not source.is_file():
         raise StoreError(f"no Hermes session store at {source}")
-    wal = source.with_name(source.name + "-wal").exists()
-    uri = f"file:{quote(str(source.resolve()))}?mode=ro{'' if wal else '&immutable=1'}"
+    try:
+        with source.open("rb") as f:
+            header = f.read(20)
+    except OSError as exc:
+        raise StoreError(f"cannot read {source}: {exc}") from exc
+    wal_mode = len(header) == 20 and header[18] == 2  # the file format's write version
+    idle = wal_mode and not source.with_name(source.name + "-wal").exists()
+    uri = f"file:{quote(str(source.resolve()))}?mode=ro{'&immutable=1' if idle else ''}"
     try:
         src = sqlite3.connect(uri, uri=True, timeout=30.0)
         try:

@@ -499,9 +499,11 @@ def _messages(raw: object, number: int, limits: ImportLimits) -> list[list[Any]]
                                      number)
         ordinal = ordinals.get(turn, 0)
         ordinals[turn] = ordinal + 1
-        out.append([mid, turn, ordinal, row[0], row[1], row[2], row[3], row[4], float(stamp),
-                    user, md_text, tokens if "token_count" in m else row[5], row[7],
-                    int(active), int(compacted)])
+        record = [mid, turn, ordinal, row[0], row[1], row[2], row[3], row[4], float(stamp),
+                  user, md_text, tokens if "token_count" in m else row[5], row[7], int(active)]
+        if compacted:  # only where set: a worker of the version before reads the rest
+            record.append(1)
+        out.append(record)
     return out
 
 

@@ -42,7 +42,7 @@ from ..faults import (
     sqlite_code,
 )
 from ..message_ids import MessageIds
-from .schema import check_current, check_tables, migrate
+from .schema import check_current, check_tables, migrate, settle_text_indexes
 from .text_index import (
     TEXT_SINKS,
     Reindex,
@@ -155,8 +155,11 @@ class Connections:
 
     # -- life cycle --------------------------------------------------------------------
 
-    async def open(self) -> None:
-        """Create or open the file (mode 0600) and its schema.
+    async def open(self, *, commits: bool = True) -> None:
+        """Create or open the file (mode 0600), its schema and its full-text indexes
+        (``schema.settle_text_indexes``). ``commits``: this process commits the store; a
+        pipeline opens with False, and calls ``settle_text_indexes`` once it holds the
+        outbox's lock (a producer never does).
 
         Raises:
             StoreError: the file cannot be opened or is not a store of ours.
@@ -187,19 +190,13 @@ class Connections:
                 await self._writer.create_function(
                     OUTCOME_FUNCTION, 1, outcome_function(log_config.rules, log_config.errors),
                     deterministic=True)
-            self.full_text = await migrate(self._writer, self.path, self.tool_log)
-            if not self.full_text:
-                log.warning("store_full_text_unavailable", db=str(self.path),
-                            reason="this SQLite has no FTS5 module: writes go on, searches "
-                                   "and recalls find nothing until a SQLite with FTS5 opens "
-                                   "the store (it rebuilds the indexes)")
+            await migrate(self._writer, self.path, self.tool_log)
+            await self._settle_indexes(commits=commits)
             for _ in range(self._readers_n):
                 conn = await self._connect(readonly=True)
                 self._all_readers.append(conn)
                 self._readers.put_nowait(conn)
             await check_tables(self._writer)
-            self.reindex = await word_reindex_state(self._writer)
-            self.word_index_stems = self.reindex is None
             async with self._writer.execute(
                     "SELECT max(coalesce((SELECT max(id) FROM messages), 0), "
                     "coalesce((SELECT max(high) FROM message_id_high), 0))") as cur:
@@ -223,6 +220,31 @@ class Connections:
         except BaseException:
             await self.aclose()
             raise
+
+    async def settle_text_indexes(self) -> None:
+        """For the process that commits the store, once it holds the outbox's lock: bring
+        the full-text indexes in line with this SQLite (``schema.settle_text_indexes``).
+
+        Raises:
+            StoreError: the file cannot be read or written.
+        """
+        if self.full_text:
+            return  # made and kept already, at open
+        try:
+            await self._settle_indexes(commits=True)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot set up the full-text indexes of {self.path}: "
+                             f"{exc}") from exc
+
+    async def _settle_indexes(self, *, commits: bool) -> None:
+        self.full_text = await settle_text_indexes(self.writer, commits=commits)
+        if not self.full_text and commits:
+            log.warning("store_full_text_unavailable", db=str(self.path),
+                        reason="this SQLite has no FTS5 module: writes go on, searches "
+                               "and recalls find nothing until a SQLite with FTS5 opens "
+                               "the store (it rebuilds the indexes)")
+        self.reindex = await word_reindex_state(self.writer)
+        self.word_index_stems = self.reindex is None
 
     async def open_readonly(self) -> None:
         """Open the file for reads only: its readers (``mode=ro``), no writer, no migration,
@@ -411,8 +433,9 @@ class Connections:
             raise FullTextUnavailableError(self._no_full_text())
 
     def _no_full_text(self) -> str:
-        return (f"the store {self.path} has no full-text index to search: this SQLite has no "
-                "FTS5 module (a SQLite with FTS5 rebuilds the indexes when it opens the store)")
+        return (f"the store {self.path} has no full-text index to search: no FTS5 module in "
+                "this SQLite, or in the one of the process that last committed it (the next "
+                "process with FTS5 to commit the store rebuilds the indexes)")
 
     async def _commit_transaction(self) -> None:
         await self.writer.execute("COMMIT")

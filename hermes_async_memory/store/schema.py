@@ -48,7 +48,10 @@ from .tool_log import ToolLogConfig, prepare, range_log_statements
 # 12: the word index stems its words (porter over unicode61). An older store's index is
 #    rebuilt beside it in slices while the store works, then swapped in
 #    (text_index.start_word_reindex; its plan in index_rebuild, a new table).
-SCHEMA_VERSION = 12
+# 13: the store may run on a SQLite without FTS5, without its full-text indexes; while they
+#    are not kept, text_index_off says so (a new table; an older library, which would
+#    take stale indexes for kept ones, must not open such a file).
+SCHEMA_VERSION = 13
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL);
@@ -95,6 +98,10 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS idx_messages_session ON messages(session_id, id);
 -- The word index (messages_fts): text_index.ensure_word_index.
+-- A row while the full-text indexes are not kept: a process that commits the store without
+-- FTS5 dropped their triggers (text_index.disable_text_indexes); the next with FTS5 rebuilds
+-- them and empties this.
+CREATE TABLE IF NOT EXISTS text_index_off (since REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS outbox (
     key TEXT PRIMARY KEY,
     session_id TEXT NOT NULL,
@@ -363,28 +370,24 @@ CREATE TEMP TABLE IF NOT EXISTS import_fresh (n INTEGER NOT NULL);
 
 
 async def migrate(db: aiosqlite.Connection, path: Path,
-                  tool_log: ToolLogConfig | None = None) -> bool:
+                  tool_log: ToolLogConfig | None = None) -> None:
     """Create what a new file lacks, bring an older file's tables up to date, and set up the
     writer connection's temporary tables. ``tool_log``: how commits log tool calls (the
     connection has its outcome function), for the calls of an older file's turns; None:
-    they are not logged. Returns whether the full-text indexes are kept: False on a
-    SQLite without FTS5 (``text_index``: writes go on, the indexes wait for a SQLite with
-    it, which rebuilds them).
+    they are not logged. The full-text indexes are not touched: the process that commits
+    the store settles them (``settle_text_indexes``), once it holds the outbox's lock.
 
     Raises:
         StoreError: the file's schema is newer than this library knows.
         sqlite3.Error: the file cannot be read or written.
     """
     await db.executescript(SCHEMA)
-    full_text = await fts5_available(db)
     async with db.execute("SELECT version FROM schema_version") as cur:
         row = await cur.fetchone()
     if row is not None and row[0] > SCHEMA_VERSION:
         raise StoreError(
             f"{path} has schema version {row[0]}; this library knows {SCHEMA_VERSION}"
         )
-    if not full_text:  # before any write could fire a trigger of an index
-        await disable_text_indexes(db)
     if row is None:
         await db.execute(
             "INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,)
@@ -407,14 +410,38 @@ async def migrate(db: aiosqlite.Connection, path: Path,
     await add_missing_columns(db)
     await db.commit()
     await prepare(db, tool_log)  # the tool log's awaiting calls
-    if full_text:
-        await ensure_word_index(db)
-        await ensure_memory_index(db)
-        await ensure_trigram(db)
-        await ensure_tool_index(db)
-        await start_word_reindex(db, time.time())
     await db.executescript(LEASE_GUARD)
-    return full_text
+
+
+async def settle_text_indexes(db: aiosqlite.Connection, *, commits: bool) -> bool:
+    """Bring the full-text indexes in line with this SQLite (``text_index``). With FTS5:
+    make each index the file lacks, rebuild each that an open without FTS5 left behind, and
+    begin the word index's rebuild an older file needs. Without it, and only for the process
+    that commits the store (``commits``: it holds the outbox's lock): drop the triggers that
+    keep them, mark them not kept (``text_index_off``) and send ``db``'s fills nowhere.
+    Another process (a producer, a start that fails on the lock) changes nothing while they
+    are marked not kept, so that a SQLite of its own that differs from the writer's never
+    changes the indexes under the writer's feet. Returns whether they are kept.
+
+    Raises:
+        sqlite3.Error: the file cannot be read or written.
+    """
+    async with db.execute("SELECT 1 FROM text_index_off LIMIT 1") as cur:
+        off = await cur.fetchone() is not None
+    if not await fts5_available(db):
+        if commits:
+            await disable_text_indexes(db)
+        return False
+    if off and not commits:
+        return False
+    await ensure_word_index(db)
+    await ensure_memory_index(db)
+    await ensure_trigram(db)
+    await ensure_tool_index(db)
+    await start_word_reindex(db, time.time())
+    if off:
+        await db.execute("DELETE FROM text_index_off")
+    return True
 
 
 async def _backfill_statements(db: aiosqlite.Connection, tool_log: ToolLogConfig

@@ -52,7 +52,11 @@ delete of a message or a memory), and sends the fills to temporary tables that k
 nothing (``TEXT_SINKS``). The next open by a SQLite with FTS5 finds the triggers missing and
 rebuilds each index from the rows, in one transaction per index (``ensure_word_index``,
 ``ensure_memory_index``, ``ensure_trigram``, ``ensure_tool_index``): what was written
-meanwhile is found again.
+meanwhile is found again. That start takes as long as indexing the whole store does.
+
+Only the process that commits the store does either (``schema.settle_text_indexes``, once
+it holds the outbox's lock): a producer, or a start that fails on the lock, whose SQLite
+differs from the writer's would otherwise change the indexes under the writer's feet.
 """
 
 from __future__ import annotations
@@ -333,9 +337,10 @@ async def text_indexes_kept(db: aiosqlite.Connection) -> bool:
 
 
 async def disable_text_indexes(db: aiosqlite.Connection) -> None:
-    """For a SQLite without FTS5: drop every trigger that writes to a full-text index (in
-    one transaction) and stop a rebuild of the word index under way, so that writes go on
-    and leave the indexes as they are; then send the fills on ``db`` nowhere
+    """For a SQLite without FTS5: drop every trigger that writes to a full-text index, stop
+    a rebuild of the word index under way and mark the indexes not kept
+    (``text_index_off``), in one transaction, so that writes go on and leave the indexes as
+    they are; then send the fills on ``db`` nowhere
     (``TEXT_SINKS``). The indexes' tables stay (dropping one needs the module); the next
     open with FTS5 rebuilds each (``ensure_word_index`` and the others).
 
@@ -348,6 +353,9 @@ async def disable_text_indexes(db: aiosqlite.Connection) -> None:
             await db.execute(f"DROP TRIGGER IF EXISTS {name}")
         if await _exists(db, "table", "index_rebuild"):
             await db.execute("DELETE FROM index_rebuild WHERE name = 'messages_fts'")
+        await db.execute("INSERT INTO text_index_off (since) "
+                         "SELECT (julianday('now') - 2440587.5) * 86400.0 "
+                         "WHERE NOT EXISTS (SELECT 1 FROM text_index_off)")
         await db.execute("COMMIT")
     except BaseException:
         await _rollback(db)
