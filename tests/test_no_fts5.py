@@ -11,6 +11,7 @@ look to such a SQLite.
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 import aiosqlite
 import pytest
 
-from hermes_async_memory import FullTextUnavailableError, MemoryPipeline, Settings
+from hermes_async_memory import FullTextUnavailableError, MemoryPipeline, Settings, cli
 from hermes_async_memory.outbox.log import OutboxBusyError
 from hermes_async_memory.sessions import SessionReads, SessionWrites
 from hermes_async_memory.sessions.reads import open_session_reads
@@ -148,7 +149,8 @@ def _write_second(mem: MemoryPipeline) -> None:
 
 
 async def test_a_new_store_without_fts5_keeps_every_write_says_so_and_is_indexed_later(
-        tmp_path: Path, without_fts5: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, without_fts5: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
     db = tmp_path / "m.db"
     async with MemoryPipeline(Settings(db_path=db)) as mem:
         health = mem.health()
@@ -195,12 +197,18 @@ async def test_a_new_store_without_fts5_keeps_every_write_says_so_and_is_indexed
     assert _rows(db, "SELECT name FROM sqlite_master WHERE sql LIKE '%USING fts5%'") == []
     assert _index_triggers(db) == set()
     assert _rows(db, "SELECT count(*) FROM text_index_off") == [(1,)]  # marked not kept
+    capsys.readouterr()
+    assert cli.main(["status", "--db", str(db), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["full_text_off_since"] is not None
 
     without_fts5.undo()  # a SQLite with FTS5 opens it: every index made from the rows
     async with MemoryPipeline(Settings(db_path=db)) as mem:
         assert FULL_TEXT_UNAVAILABLE not in mem.health().conditions
         _assert_indexes_hold_exactly_the_rows(db)
         assert _rows(db, "SELECT count(*) FROM text_index_off") == [(0,)]
+        capsys.readouterr()
+        assert cli.main(["status", "--db", str(db), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["full_text_off_since"] is None
         assert _index_triggers(db) == {"messages_fts_delete", "messages_trgm_delete",
                                        "messages_tools_delete", "memories_fts_insert",
                                        "memories_fts_update", "memories_fts_delete"}

@@ -115,6 +115,9 @@ def _status(args: argparse.Namespace) -> int:
         # Both 0 when no rebuild is under way, as in the pipeline's stats().
         reindex_done=0 if counts.reindex is None else counts.reindex.indexed,
         reindex_total=0 if counts.reindex is None else counts.reindex.total,
+        # Since when the full-text indexes are not kept (no FTS5 where the store was
+        # committed), or None.
+        full_text_off_since=counts.full_text_off_since,
     )
     if args.json:
         print_json(report)
@@ -148,6 +151,10 @@ def _print_status(r: dict[str, Any]) -> None:
     rows.append(("dead letters", str(r["dead_letters"])))
     if r["reindex_total"]:
         rows.append(("word index", reindex_line(r["reindex_done"], r["reindex_total"])))
+    if r.get("full_text_off_since") is not None:
+        rows.append(("full text", "not kept (the process that commits the store has no "
+                                  "FTS5): searches fail, recalls find nothing; the next one "
+                                  "with FTS5 rebuilds the indexes"))
     rows.append(("outbox table", table))
     for backend, counts in r["replicas"].items():
         rows.append((f"replica {backend}", f"{counts['pending']} turns to send, "

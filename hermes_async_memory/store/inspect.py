@@ -41,6 +41,9 @@ class StoreStatus:
     replicas: dict[str, dict[str, int]] = field(default_factory=dict)
     # The word index's rebuild after an upgrade (text_index), while one is under way.
     reindex: Reindex | None = None
+    # Since when the full-text indexes are not kept (a process without FTS5 committed the
+    # store: text_index), or None while they are.
+    full_text_off_since: float | None = None
 
 
 class StoreReader:
@@ -157,6 +160,9 @@ class StoreReader:
                     "WHERE name = 'messages_fts'").fetchone()
                 if row is not None:
                     status.reindex = Reindex(int(row[0]), int(row[1]), float(row[2]))
+            if "text_index_off" in self._tables:
+                since = self._value("SELECT min(since) FROM text_index_off")
+                status.full_text_off_since = None if since is None else float(since)
         return status
 
     def _settled(self, keys: list[str]) -> set[str]:
