@@ -15,7 +15,7 @@ from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.recall import query_terms
 from hermes_async_memory.recall.cache import RECALL_HEADER
 from hermes_async_memory.recall.query import all_frequent
-from hermes_async_memory.store import text_index
+from hermes_async_memory.store import SCHEMA_VERSION, text_index
 
 WAIT_S = 30
 
@@ -239,7 +239,7 @@ async def test_an_old_store_is_reindexed_while_turns_and_recalls_go_on(
                            if i % 7 == s])
             assert texts == expected
         assert conn.execute("SELECT count(*) FROM index_rebuild").fetchone()[0] == 0
-        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 12
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == SCHEMA_VERSION
     finally:
         conn.close()
 
