@@ -32,3 +32,12 @@ def count_rows(db_path: Path, sql: str = "SELECT count(*) FROM messages") -> int
         return int(conn.execute(sql).fetchone()[0])
     finally:
         conn.close()
+
+
+def file_rows(db_path: Path, sql: str, *params: object) -> list[tuple[object, ...]]:
+    """The rows of one statement, read from the file on a connection of its own."""
+    conn = sqlite3.connect(db_path)
+    try:
+        return conn.execute(sql, params).fetchall()
+    finally:
+        conn.close()

@@ -28,40 +28,17 @@ from hermes_async_memory.sessions.transfer import export_sessions, import_sessio
 from hermes_async_memory.store.text_index import INDEX_TRIGGERS, has_cjk
 from hermes_async_memory.supervisor import FULL_TEXT_UNAVAILABLE
 
+from .helpers import file_rows as _rows
+from .sqlite_faults import refusing_connection
+
 _CONNECT = aiosqlite.connect  # as imported: a SQLite with FTS5
 CALLS = [{"id": "c1", "type": "function",
           "function": {"name": "kubectl_rollout", "arguments": '{"service": "billing"}'}}]
 
 
-class _NoFts5Cursor(sqlite3.Cursor):
-    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        _NoFts5.check(sql)
-        return super().execute(sql, *args)
-
-
-class _NoFts5(sqlite3.Connection):
-    """A connection to a SQLite built without FTS5: making an FTS5 table (or its vocabulary
-    table) fails with that SQLite's message; everything else is the same."""
-
-    @staticmethod
-    def check(sql: str) -> None:
-        if "USING fts5" in sql:
-            raise sqlite3.OperationalError("no such module: fts5")
-
-    def cursor(self, factory: Any = None) -> sqlite3.Cursor:
-        return super().cursor(factory or _NoFts5Cursor)
-
-    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        self.check(sql)
-        return super().execute(sql, *args)
-
-    def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        self.check(sql)
-        return super().executemany(sql, *args)
-
-    def executescript(self, sql: str) -> sqlite3.Cursor:
-        self.check(sql)
-        return super().executescript(sql)
+# A connection to a SQLite built without FTS5: making an FTS5 table (or its vocabulary
+# table) fails with that SQLite's message; everything else is the same.
+_NoFts5 = refusing_connection("USING fts5", "no such module: fts5")
 
 
 @pytest.fixture
@@ -90,14 +67,6 @@ def _rename_module(db: Path, *, missing: bool) -> None:
             conn.execute("UPDATE sqlite_master SET sql = replace(sql, ?, ?) "
                          "WHERE type = 'table'", (a, b))
         conn.commit()
-    finally:
-        conn.close()
-
-
-def _rows(db: Path, sql: str, *params: object) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(db)
-    try:
-        return conn.execute(sql, params).fetchall()
     finally:
         conn.close()
 

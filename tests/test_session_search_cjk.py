@@ -28,6 +28,9 @@ from hermes_async_memory.store.text_index import (
 )
 from hermes_async_memory.turns import encode_payload
 
+from .helpers import file_rows as _rows
+from .sqlite_faults import refusing_connection
+
 ZH = "大别山项目计划书已经发给你了"
 ZH_REPLY = "好的，我会在周五前准备大别山项目的预算。"
 JA = "こんにちは世界、東京タワーに行きましょう"
@@ -60,14 +63,6 @@ async def _find(mem: MemoryPipeline, query: str, **kw: Any) -> list[SearchHit]:
 
 async def _snippets(mem: MemoryPipeline, query: str, **kw: Any) -> set[str]:
     return {h.snippet for h in await _find(mem, query, **kw)}
-
-
-def _rows(db: Path, sql: str, *params: object) -> list[tuple[Any, ...]]:
-    conn = sqlite3.connect(db)
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
 
 
 def _assert_index_matches_messages(db: Path) -> None:
@@ -248,22 +243,9 @@ async def test_a_store_from_version_8_indexes_its_cjk_messages_when_opened(
         _assert_index_matches_messages(db)
 
 
-class _NoTrigram(sqlite3.Connection):
-    """A connection to a SQLite built without the trigram tokenizer: it refuses to make a
-    table with it, as such a SQLite does (its message), and is otherwise the same."""
-
-    @staticmethod
-    def _check(sql: str) -> None:
-        if "tokenize='trigram'" in sql:
-            raise sqlite3.OperationalError("no such tokenizer: trigram")
-
-    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        self._check(sql)
-        return super().execute(sql, *args)
-
-    def executescript(self, sql: str) -> sqlite3.Cursor:
-        self._check(sql)
-        return super().executescript(sql)
+# A SQLite built without the trigram tokenizer: it refuses to make a table with it, as such
+# a SQLite does (its message), and is otherwise the same.
+_NoTrigram = refusing_connection("tokenize='trigram'", "no such tokenizer: trigram")
 
 
 @pytest.fixture

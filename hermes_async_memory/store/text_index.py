@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import re
 import sqlite3
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiosqlite
@@ -292,8 +293,7 @@ async def ensure_tool_index(db: aiosqlite.Connection) -> None:
     """
     if await _exists(db, "trigger", "messages_tools_delete"):
         return
-    await db.execute("BEGIN IMMEDIATE")
-    try:
+    async with _immediate(db):
         if await _exists(db, "table", "messages_tools"):  # never without its trigger: anew
             await db.execute("DROP TABLE messages_tools")
         await db.execute(TOOLS_TABLE)
@@ -301,10 +301,6 @@ async def ensure_tool_index(db: aiosqlite.Connection) -> None:
                          "VALUES ('rank', 'bm25(1.0, 0.0)')")
         await db.execute(INDEX_TOOLS.format(mine="true"))
         await db.execute(TOOLS_DELETE)
-        await db.execute("COMMIT")
-    except BaseException:
-        await _rollback(db)
-        raise
 
 
 async def fts5_available(db: aiosqlite.Connection) -> bool:
@@ -347,8 +343,7 @@ async def disable_text_indexes(db: aiosqlite.Connection) -> None:
     Raises:
         sqlite3.Error: the file cannot be written.
     """
-    await db.execute("BEGIN IMMEDIATE")
-    try:
+    async with _immediate(db):
         for name in INDEX_TRIGGERS:
             await db.execute(f"DROP TRIGGER IF EXISTS {name}")
         if await _exists(db, "table", "index_rebuild"):
@@ -356,10 +351,6 @@ async def disable_text_indexes(db: aiosqlite.Connection) -> None:
         await db.execute("INSERT INTO text_index_off (since) "
                          "SELECT (julianday('now') - 2440587.5) * 86400.0 "
                          "WHERE NOT EXISTS (SELECT 1 FROM text_index_off)")
-        await db.execute("COMMIT")
-    except BaseException:
-        await _rollback(db)
-        raise
     await db.executescript(TEXT_SINKS)
 
 
@@ -374,8 +365,7 @@ async def ensure_word_index(db: aiosqlite.Connection) -> None:
     """
     if await _exists(db, "trigger", "messages_fts_delete"):
         return
-    await db.execute("BEGIN IMMEDIATE")
-    try:
+    async with _immediate(db):
         if not await _exists(db, "table", "messages_fts"):
             await db.execute(WORD_TABLE)
             # Rank on the text column only; the scope column is a filter, not evidence.
@@ -384,10 +374,6 @@ async def ensure_word_index(db: aiosqlite.Connection) -> None:
         await db.execute("INSERT INTO messages_fts (messages_fts) VALUES ('rebuild')")
         await db.execute(WORD_VOCAB)
         await db.execute(WORD_DELETE)
-        await db.execute("COMMIT")
-    except BaseException:
-        await _rollback(db)
-        raise
 
 
 async def ensure_memory_index(db: aiosqlite.Connection) -> None:
@@ -403,16 +389,11 @@ async def ensure_memory_index(db: aiosqlite.Connection) -> None:
         row = await cur.fetchone()
     if row is not None and row[0] == len(MEMORY_TRIGGERS):
         return
-    await db.execute("BEGIN IMMEDIATE")
-    try:
+    async with _immediate(db):
         await db.execute(MEMORY_TABLE)
         await db.execute("INSERT INTO memories_fts (memories_fts) VALUES ('rebuild')")
         for trigger in MEMORY_TRIGGERS:
             await db.execute(trigger)
-        await db.execute("COMMIT")
-    except BaseException:
-        await _rollback(db)
-        raise
 
 
 def is_missing_trigram(exc: BaseException) -> bool:
@@ -426,6 +407,19 @@ async def _exists(db: aiosqlite.Connection, kind: str, name: str) -> bool:
     async with db.execute("SELECT 1 FROM sqlite_master WHERE type = ? AND name = ?",
                           (kind, name)) as cur:
         return await cur.fetchone() is not None
+
+
+@contextlib.asynccontextmanager
+async def _immediate(db: aiosqlite.Connection) -> AsyncIterator[None]:
+    """One write transaction on ``db``: committed when the block ends, undone if it
+    raises (the error raised is the block's)."""
+    await db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        await db.execute("COMMIT")
+    except BaseException:
+        await _rollback(db)
+        raise
 
 
 async def _rollback(db: aiosqlite.Connection) -> None:
@@ -517,8 +511,7 @@ async def start_word_reindex(db: aiosqlite.Connection, now: float) -> None:
     in one transaction (see above). Nothing to do when it stems or a rebuild is under way."""
     if await word_index_stems(db) or await word_reindex_state(db) is not None:
         return
-    await db.execute("BEGIN IMMEDIATE")
-    try:
+    async with _immediate(db):
         await db.execute("DROP TABLE IF EXISTS messages_stem")  # a start cut short: anew
         for statement in single_statements(STEM_TABLE):
             await db.execute(statement)
@@ -526,10 +519,6 @@ async def start_word_reindex(db: aiosqlite.Connection, now: float) -> None:
             "INSERT INTO index_rebuild (name, upto, done, total, started_at) "
             "SELECT 'messages_fts', coalesce(max(id), 0), 0, count(*), ? FROM messages",
             (now,))
-        await db.execute("COMMIT")
-    except BaseException:
-        await _rollback(db)
-        raise
 
 
 async def word_reindex_state(db: aiosqlite.Connection) -> Reindex | None:
