@@ -241,3 +241,29 @@ async def test_a_state_db_hermes_has_open_comes_over_as_it_stands(tmp_path: Path
         assert len(live.get_messages("live")) == 31
     finally:
         live.close()
+
+
+def test_what_is_not_hermes_state_db_is_refused_saying_what_it_is(tmp_path: Path) -> None:
+    """A missing file, a file that is not SQLite, another program's database, or a store
+    of ours: one line each, exit status 1, and no store made for a missing one."""
+    ours = tmp_path / "ours.db"
+    conn = sqlite3.connect(tmp_path / "other.db")
+    conn.execute("CREATE TABLE notes (id INTEGER PRIMARY KEY, body TEXT)")
+    conn.commit()
+    conn.close()
+    (tmp_path / "text.db").write_text("not a database")
+    for db in _ours(ours):
+        db.create_session(session_id="mine", source="cli")
+    cases = {"missing.db": "no Hermes session store at",
+             "text.db": "file is not a database",
+             "other.db": "is not Hermes's session store",
+             "ours.db": "is a hermes-async-memory store"}
+    for name, said in cases.items():
+        target = tmp_path / f"into-{name}"
+        done = subprocess.run(
+            [sys.executable, "-m", "hermes_async_memory.cli", "hermes", "import-state",
+             "--from", str(tmp_path / name), "--db", str(target)],
+            capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1, (name, done.stderr)
+        assert said in done.stderr, (name, done.stderr)
+    assert not (tmp_path / "into-missing.db").exists()

@@ -145,6 +145,7 @@ def _import_state(args: argparse.Namespace) -> int:
     import anyio
 
     from ..cli.common import print_json, writing
+    from ..errors import StoreError
     from ..logs import configure_logging
     from ..settings import Settings
     from .config import DEFAULT_DB, default_hermes_home
@@ -154,6 +155,8 @@ def _import_state(args: argparse.Namespace) -> int:
     home = Path(args.hermes_home).expanduser() if args.hermes_home else default_hermes_home()
     source = Path(args.source).expanduser() if args.source else home / "state.db"
     target = Path(args.db).expanduser() if args.db else home / DEFAULT_DB
+    if not source.is_file():  # before the store is made or opened
+        raise StoreError(f"no Hermes session store at {source} (give --from PATH)")
     show = sys.stderr.isatty() and not args.json
 
     def progress(done: int, found: int) -> None:

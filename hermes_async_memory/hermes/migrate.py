@@ -132,6 +132,27 @@ def snapshot(source: Path, copy: Path) -> None:
         raise StoreError(f"cannot read {source} as a Hermes session store: {exc}") from exc
 
 
+def _check_hermes_file(copy: Path, source: Path) -> None:
+    """That the snapshot of ``source`` holds Hermes's session store: its sessions and
+    messages, and none of this library's own tables.
+
+    Raises:
+        StoreError: it does not (says what it is).
+    """
+    conn = sqlite3.connect(copy)
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master "
+                                             "WHERE type = 'table'")}
+    finally:
+        conn.close()
+    if "outbox" in tables:
+        raise StoreError(f"{source} is a hermes-async-memory store, not Hermes's own session "
+                         "store: nothing to import")
+    if not {"sessions", "messages"} <= tables:
+        raise StoreError(f"{source} is not Hermes's session store (no sessions and messages "
+                         "tables)")
+
+
 def parents_first(rows: Iterable[tuple[str, str | None]]) -> list[str]:
     """Session ids, each after its parent's when the parent is among them (in the given
     order otherwise; a cycle is cut where it closes): an import then finds every parent
@@ -186,6 +207,7 @@ async def import_hermes_state(pipeline: MemoryPipeline, source: Path, *,
     with tempfile.TemporaryDirectory(prefix="hermes-state-import-") as folder:
         copy = Path(folder) / "state.db"
         await anyio.to_thread.run_sync(snapshot, source, copy)
+        await anyio.to_thread.run_sync(_check_hermes_file, copy, source)
         try:
             db = await anyio.to_thread.run_sync(lambda: hermes.SessionDB(db_path=copy))
         except Exception as exc:  # Hermes's own open of the copy: whatever it raises
