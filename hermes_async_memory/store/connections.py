@@ -241,7 +241,7 @@ class Connections:
         if not self.full_text and commits:
             log.warning("store_full_text_unavailable", db=str(self.path),
                         reason="this SQLite has no FTS5 module: writes go on, searches "
-                               "and recalls find nothing until a SQLite with FTS5 opens "
+                               "and recalls find nothing until a process with FTS5 commits "
                                "the store (it rebuilds the indexes)")
         self.reindex = await word_reindex_state(self.writer)
         self.word_index_stems = self.reindex is None
