@@ -297,6 +297,23 @@ async def test_malformed_tool_calls_never_fail_the_turns_commit(tmp_path: Path) 
     assert len(calls["n3"].result) == 500
 
 
+@pytest.mark.parametrize("reported", ['"duration_s": 1e308', '"duration_ms": 1e999',
+                                      '"elapsed": 1e400'])
+async def test_a_duration_past_a_floats_range_never_fails_the_turns_commit(
+        tmp_path: Path, reported: str) -> None:
+    """An answer that reports an infinite duration (or one that overflows in milliseconds)
+    is logged without one: its turn was dead-lettered ("malformed JSON") before."""
+    msgs = turn("time it", [call("t1", "terminal", command="sleep 1")], {})
+    msgs.insert(2, {"role": "tool", "tool_call_id": "t1",
+                    "content": '{"output": "done", "exit_code": 0, ' + reported + "}"})
+    async with MemoryPipeline(Settings(db_path=tmp_path / "m.db")) as mem:
+        await write(mem, [msgs])
+        assert mem.stats().dead_letters == 0
+        (logged,) = await mem.procedural.search("ann")
+        assert len(await mem.sessions.messages("s1")) == 4
+    assert (logged.call_id, logged.ok, logged.duration_ms) == ("t1", True, None)
+
+
 async def test_each_users_log_is_bounded_oldest_first(tmp_path: Path) -> None:
     turns = [turn(f"step {i}", [call(f"c{i}", "terminal", command=f"echo {i}")],
                   {f"c{i}": {"exit_code": 0}}) for i in range(60)]

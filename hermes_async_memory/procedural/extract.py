@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -266,14 +267,19 @@ def _first_text(doc: Mapping[str, Any], keys: tuple[str, ...]) -> str | None:
 
 
 def _duration_ms(doc: Mapping[str, Any], rules: OutcomeRules) -> float | None:
-    for k in rules.duration_ms_keys:
-        v = doc.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
-            return float(v)
-    for k in rules.duration_s_keys:
-        v = doc.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
-            return float(v) * 1000.0
+    """The duration an answer reports, in milliseconds: finite only. An infinite one (JSON
+    reads ``1e999`` as inf; ``1e308`` seconds overflows in milliseconds) has no JSON form,
+    and the outcomes go to the commit as JSON: it would fail the turn's batch."""
+    for keys, scale in ((rules.duration_ms_keys, 1.0), (rules.duration_s_keys, 1000.0)):
+        for k in keys:
+            v = doc.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+                try:
+                    ms = float(v) * scale
+                except OverflowError:  # an integer past a float's range
+                    continue
+                if math.isfinite(ms):
+                    return ms
     return None
 
 
