@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from .errors import InvalidTurnError
 from .ops import ID_DIGITS, LANE_MARK, OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, TemplateOp, parse_op
+from .tool_rows import Plan, read_calls
 
 # One stored message: (role, content text or None, tool calls as JSON text, tool call id,
 # tool name, token count, timestamp or None (the record's), fields as JSON text or None).
@@ -113,6 +114,9 @@ class Turn(NamedTuple):
     # the tool log: the outcome is ``UNJUDGED`` until the writer judges them on the loop
     # (``sources.judge_all``, ``with_outcomes``).
     answers: tuple[tuple[int, str | None, Any], ...] = ()
+    # Its tool calls' rows for the log, worked out as it was decoded (``tool_rows.Plan``);
+    # False where the commit must log its calls the SQL way; None: no message with calls.
+    log_plan: Plan | bool | None = None
 
     @classmethod
     def build(
@@ -185,7 +189,9 @@ class Turn(NamedTuple):
         user = assistant = ""
         tool_calls = 0
         answered = False
-        for m in messages:  # one pass: the first user text, the last non-empty assistant text
+        calls_at: list[tuple[int, str]] | None = None
+        plan: Plan | bool | None = None
+        for i, m in enumerate(messages):  # the first user text, the last assistant text
             role = m[0]
             if role == "assistant":
                 if m[1]:
@@ -195,8 +201,12 @@ class Turn(NamedTuple):
                     user = m[1]
             elif role == "tool" and m[3] is not None:
                 answered = True
-            if m[2]:  # an assistant's calls, as JSON text: counted as Hermes counts them
-                tool_calls += _n_calls(m[2])
+            if m[2]:  # an assistant's calls, as JSON text
+                if calls_at is None:
+                    calls_at = []
+                calls_at.append((i, m[2]))
+        if calls_at is not None:  # counted as Hermes counts them; the log's rows worked out
+            tool_calls, plan = read_calls(messages, calls_at)
         if metadata and isinstance(metadata, Mapping):
             md = metadata
             source, model, parent = (_str(md.get("source")), _str(md.get("model")),
@@ -212,7 +222,7 @@ class Turn(NamedTuple):
             tool_calls, user[:_TEXT_KEPT] if len(user) > _TEXT_KEPT else user,
             assistant[:_TEXT_KEPT] if len(assistant) > _TEXT_KEPT else assistant,
             source, model, parent, tokens_in, tokens_out,
-            "\\u0000" in payload, TURN, first_id, _answers(messages) if answered else (),
+            "\\u0000" in payload, TURN, first_id, _answers(messages) if answered else (), plan,
         ))
 
     @classmethod
@@ -229,7 +239,7 @@ class Turn(NamedTuple):
             lane, kind, user = op.session_id, OP_SESSION, op.user_id
         return tuple.__new__(cls, (
             op.record_key, seq, lane, user, op.accepted_at, payload, len(payload),
-            segment, 0, 0, "", "", None, None, None, 0, 0, False, kind, None, ()))
+            segment, 0, 0, "", "", None, None, None, 0, 0, False, kind, None, (), None))
 
     def encode(self) -> bytes:
         """The outbox record (ASCII JSON)."""
@@ -266,7 +276,8 @@ class Turn(NamedTuple):
              accepted_at: float = 0.0) -> Turn:
         """A turn that holds only where it came from: for a record that does not decode."""
         return tuple.__new__(cls, (key, seq, session_id, None, accepted_at, "", 0, segment, 0,
-                                   0, "", "", None, None, None, 0, 0, False, TURN, None, ()))
+                                   0, "", "", None, None, None, 0, 0, False, TURN, None, (),
+                                   None))
 
 
 def _answers(messages: Sequence[Sequence[Any]]) -> tuple[tuple[int, str | None, Any], ...]:
@@ -758,15 +769,6 @@ def _text_row(role: str, name: str, value: object, notes: list[int] | None) -> M
     if value is not None and not isinstance(value, (str, list)):
         raise InvalidTurnError(f"{name} must be a string, got {type(value).__name__}")
     return message_row(0, {"role": role, "content": value}, notes)
-
-
-def _n_calls(calls_json: str) -> int:
-    """How many calls a message's ``tool_calls`` (JSON text) holds; 0 when it is no list."""
-    try:
-        calls = json.loads(calls_json)
-    except ValueError:
-        return 0
-    return len(calls) if type(calls) is list else 0
 
 
 def _calls_json(i: int, tool_calls: object) -> str:

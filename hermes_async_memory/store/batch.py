@@ -14,6 +14,7 @@ from typing import Any
 
 from ..message_ids import MessageIds
 from ..ops import OP_KV, OP_SESSION, OP_TEMPLATE
+from ..tool_rows import values
 from ..turns import TURN, UNJUDGED, Turn, store_rows
 from .lifecycle import session_statements
 from .memories import op_statements, ops_done, replica_statement
@@ -134,6 +135,12 @@ class Batch:
         self._session_json: str | None = None  # their rows as JSON, once sealed
         self._has_nul = False
         self._has_tool_calls = False
+        # The log's rows of its turns' calls as SQL values, a piece per turn, worked out on
+        # the loop (``tool_rows``); ``_log_sql``: some turn's calls must be logged the SQL way
+        # (``Turn.log_plan`` False), and then all of them are.
+        self._log_rows: list[str] = []
+        self._log_sql = False
+        self._log_after = 0  # the first id of the last turn with rows: they go in id order
         # Turns claimed from the shared inbox: their rows, and the lease they are under.
         self.inbox_ids: list[int] = []
         self.lease_owner: str | None = None
@@ -200,6 +207,8 @@ class Batch:
                     self._unjudged = True
                 elif outcome is not None:
                     self._judged.append((first + ordinal, outcome))
+            if t.log_plan is not None and not self._log_sql:
+                self._add_log_rows(t, first)
             last = first + t.n_messages - 1
             ids_of.add(first, last)
             if payload_has_cjk(t.payload):
@@ -207,6 +216,21 @@ class Batch:
             if not runs or runs[-1][0] != t.segment:
                 runs.append((t.segment, IdRanges()))
             runs[-1][1].add(first, last)
+
+    def _add_log_rows(self, t: Turn, first: int) -> None:
+        """The log's rows of ``t``'s calls (its first message id ``first``), if the batch's
+        calls are still all worked out here. INSERT_CALLS logs the calls in id order: a turn
+        out of that order, and the batch goes the SQL way (a batch's turns come in order as
+        a rule, ``IdRanges``)."""
+        plan = t.log_plan
+        rows = None if type(plan) is not tuple or self._unjudged or first <= self._log_after \
+            else values(plan, first, {ordinal: outcome for ordinal, _, outcome in t.answers})
+        self._log_after = first
+        if rows is None:
+            self._log_sql = True
+            self._log_rows = []
+        elif rows:
+            self._log_rows.append(rows)
 
     def _with_ids(self, t: Turn) -> Turn:
         if self._ids is None:
@@ -292,8 +316,9 @@ class Batch:
             # Its calls are logged, and its messages settle its sessions' calls that await
             # their answer (no statement at all without calls while none awaits one).
             judged = None if self._unjudged else sql_literal(_ROWS.encode(self._judged))
+            rows = None if self._log_sql or self._unjudged else ",".join(self._log_rows)
             script += log_statements(tool_log, self.mine, sessions=self.session_rows,
-                                     calls=self._has_tool_calls, judged=judged)
+                                     calls=self._has_tool_calls, judged=judged, rows=rows)
         script += [
             INSERT_DONE.format(segment=int(segment), now=now_sql, run=run)
             for segment, run in self.segment_runs()

@@ -104,6 +104,10 @@ CREATE TEMP TABLE IF NOT EXISTS tool_goals (turn_key TEXT PRIMARY KEY, goal TEXT
 CREATE TEMP TABLE IF NOT EXISTS tool_settled (
     id INTEGER PRIMARY KEY, answer INTEGER, session_id TEXT NOT NULL, call_id TEXT NOT NULL);
 CREATE TEMP TABLE IF NOT EXISTS tool_refix (id INTEGER PRIMARY KEY);
+CREATE TEMP TABLE IF NOT EXISTS tool_rows (
+    message_id INTEGER NOT NULL, call_id TEXT NOT NULL, tool TEXT NOT NULL, arguments TEXT,
+    answer INTEGER NOT NULL, ok INTEGER NOT NULL, error_type TEXT, error_message TEXT,
+    duration_ms REAL, goal INTEGER NOT NULL);
 """
 # The messages that close the calls before them still awaiting their answer: a user message,
 # or the model's reply (an assistant message without tool calls).
@@ -241,6 +245,29 @@ FROM (
 WHERE true
 ORDER BY message_id, n
 ON CONFLICT (message_id, call_id) DO NOTHING;
+"""
+# The batch's calls where the writer worked out their rows on the loop (``tool_rows``: every
+# call of the batch was answered in its own record, the common case): what INSERT_CALLS
+# would insert, in the same order, from SQL values ({rows}): each call with the ids of its
+# message, its answer and its goal (the record's first user message), and its answer's
+# outcome. The texts are read from those messages, and the arguments minified, here as
+# INSERT_CALLS does (None: none given).
+LOG_ROWS = """
+INSERT INTO temp.tool_rows (message_id, call_id, tool, arguments, answer, ok, error_type,
+                            error_message, duration_ms, goal)
+VALUES {rows};
+INSERT INTO tool_calls (message_id, call_id, session_id, user_id, tool, arguments, result,
+                        ok, error_type, error_message, duration_ms, goal, at, awaiting)
+SELECT r.message_id, r.call_id, m.session_id, coalesce(m.user_id, ''), r.tool,
+       CASE WHEN r.arguments IS NULL THEN '{{}}' WHEN json_valid(r.arguments)
+            THEN json(r.arguments) ELSE json_quote(r.arguments) END,
+       coalesce(substr(a.content, 1, 500), ''), r.ok, r.error_type, r.error_message,
+       r.duration_ms, substr(g.content, 1, 500), m.timestamp, 0
+FROM temp.tool_rows AS r CROSS JOIN messages AS m ON m.id = r.message_id
+CROSS JOIN messages AS a ON a.id = r.answer CROSS JOIN messages AS g ON g.id = r.goal
+WHERE true ORDER BY r.rowid
+ON CONFLICT (message_id, call_id) DO NOTHING;
+DELETE FROM temp.tool_rows;
 """
 # The settled calls get their answer's result and outcome (or never answered's).
 APPLY = """
@@ -397,7 +424,7 @@ async def prepare(db: aiosqlite.Connection, config: ToolLogConfig | None) -> Non
 
 def log_statements(config: ToolLogConfig, mine: Callable[[str], str], *,
                    sessions: Callable[[], str], calls: bool = True,
-                   judged: str | None = None) -> list[str]:
+                   judged: str | None = None, rows: str | None = None) -> list[str]:
     """The statements that log a batch's tool calls, and settle its sessions' calls awaiting
     their answer, given ``mine(column)``: the SQL condition that ``column`` is the id of one
     of the batch's messages; ``sessions()``: the batch's sessions, as an SQL literal of a JSON
@@ -405,11 +432,13 @@ def log_statements(config: ToolLogConfig, mine: Callable[[str], str], *,
     some message of the batch has tool calls (else nothing is logged, only settled; nothing
     at all while no call awaits its answer). ``judged``: the outcomes of the batch's own
     answers, judged as it was built (an SQL literal of a JSON array of [message id,
-    ``outcome_row``], plain successes left out); None: the function judges them here."""
+    ``outcome_row``], plain successes left out); None: the function judges them here.
+    ``rows``: the rows of all the batch's calls, worked out on the loop (``tool_rows``: SQL
+    ``VALUES``, '' for none; given only with ``judged``); None: they are worked out here."""
     return _statements(
         config, lambda alias: mine(f"{alias}.id"), lambda col: mine(f"{col}message_id"),
         sessions=lambda: f"SELECT s.value ->> 0 AS sid FROM json_each({sessions()}) AS s",
-        calls=calls, judged=judged)
+        calls=calls, judged=judged, rows=rows)
 
 
 def range_log_statements(config: ToolLogConfig, after: int, upto: int) -> list[str]:
@@ -449,21 +478,28 @@ def end_statements(config: ToolLogConfig, session_literal: str) -> list[str]:
 
 def _statements(config: ToolLogConfig, messages: Callable[[str], str],
                 new: Callable[[str], str], *, sessions: Callable[[], str], calls: bool = True,
-                settle: bool | None = None, judged: str | None = None) -> list[str]:
+                settle: bool | None = None, judged: str | None = None,
+                rows: str | None = None) -> list[str]:
     """``messages(alias)``: the SQL condition on the messages to log; ``new(prefix)``: the
     same on the log's rows (their ``message_id`` or ``session_id``, after ``prefix``);
     ``sessions()``: a SELECT of their sessions' ids (``sid``); ``settle``: whether to settle
     the calls awaiting an answer that earlier commits logged (default: if the store may hold
-    one); ``judged``: as ``log_statements``."""
+    one); ``judged``, ``rows``: as ``log_statements``."""
     if settle is None:
         settle = config.awaiting.possible
     if not calls and not settle:
         return []  # no call to log, none awaiting an answer
+    if judged is None:
+        rows = None
     limit = int(config.max_per_user)
     window = repr(float(config.fix_window_s))
     script = [SETTLE.format(sessions=sessions(), closing=_CLOSING)] if settle else []
-    script.append(ANSWERS)
-    if calls:
+    # The batch's answers go to the temporary tables for its calls (unless their rows came
+    # worked out) and for the awaiting calls they may settle.
+    answers = calls and (rows is None or settle)
+    if answers or settle:
+        script.append(ANSWERS)
+    if answers:
         script.append(BATCH_ANSWERS.format(t_new=messages("t"),
                                            judge=1 if judged is None else 0))
         if judged is not None and judged != "'[]'":
@@ -472,10 +508,12 @@ def _statements(config: ToolLogConfig, messages: Callable[[str], str],
         script.append(FOUND_ANSWERS.format(t_new=messages("t") if calls else "0"))
     if settle or judged is None:
         script.append(JUDGE)
-    if calls:
+    if calls and rows is None:
         script.append(INSERT_CALLS.format(
             m_new=messages("m"), g_new=messages("g"), closing=_CLOSING, no_id=_NO_ID,
             never_type=f"'{NEVER_ANSWERED[0]}'", never_message=f"'{NEVER_ANSWERED[1]}'"))
+    elif calls and rows:
+        script.append(LOG_ROWS.format(rows=rows))
     if settle:
         script += [APPLY, REFIX.format(window=window)]
     # The batch's calls and the late ones' successes, marked as one set (each statement
