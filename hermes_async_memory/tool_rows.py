@@ -77,6 +77,8 @@ def _plan(messages: Sequence[Sequence[Any]], parsed: Sequence[tuple[int, list[An
             if goal < 0:
                 goal = k
         elif role == "tool" and m[3] is not None:
+            if type(m[3]) is not str:
+                return None  # not this version's record
             answers.setdefault(m[3], []).append(k)
     if goal < 0:
         return None
@@ -108,14 +110,6 @@ def _plan(messages: Sequence[Sequence[Any]], parsed: Sequence[tuple[int, list[An
 
 def _q(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
-
-
-def _real(value: float | None) -> str | None:
-    if value is None:
-        return "NULL"
-    if type(value) not in (int, float) or not math.isfinite(value):
-        return None
-    return repr(value)
 
 
 def values(plan: Plan, first_id: int, outcomes: Mapping[int, Any]) -> str | None:

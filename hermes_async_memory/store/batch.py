@@ -221,10 +221,13 @@ class Batch:
         """The log's rows of ``t``'s calls (its first message id ``first``), if the batch's
         calls are still all worked out here. INSERT_CALLS logs the calls in id order: a turn
         out of that order, and the batch goes the SQL way (a batch's turns come in order as
-        a rule, ``IdRanges``)."""
+        a rule, ``IdRanges``). So does a batch with U+0000: it runs its statements one at a
+        time, cut at each ';' outside a literal (``sql.single_statements``), a pass over the
+        statement so far at each one, which over the rows' text took seconds on the loop."""
         plan = t.log_plan
-        rows = None if type(plan) is not tuple or self._unjudged or first <= self._log_after \
-            else values(plan, first, {ordinal: outcome for ordinal, _, outcome in t.answers})
+        rows = None if (type(plan) is not tuple or self._unjudged or self._has_nul
+                        or first <= self._log_after) else values(
+            plan, first, {ordinal: outcome for ordinal, _, outcome in t.answers})
         self._log_after = first
         if rows is None:
             self._log_sql = True
@@ -316,7 +319,8 @@ class Batch:
             # Its calls are logged, and its messages settle its sessions' calls that await
             # their answer (no statement at all without calls while none awaits one).
             judged = None if self._unjudged else sql_literal(_ROWS.encode(self._judged))
-            rows = None if self._log_sql or self._unjudged else ",".join(self._log_rows)
+            rows = None if self._log_sql or self._unjudged or self._has_nul else (
+                ",".join(self._log_rows))  # (U+0000 in a later chunk: see _add_log_rows)
             script += log_statements(tool_log, self.mine, sessions=self.session_rows,
                                      calls=self._has_tool_calls, judged=judged, rows=rows)
         script += [
