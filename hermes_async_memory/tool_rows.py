@@ -16,7 +16,8 @@ turns both ways and compare the logs. Where a record leaves any doubt, its plan 
 and the batch logs its calls the SQL way: a call not answered in its record (its answer may come
 later, or a closing message settles it), a record without a user message (the goal is the
 session's last one), a call id that is neither text nor missing, arguments that are neither
-text nor missing, calls that are not a JSON list, or text that an SQL literal cannot hold.
+text nor missing, calls that are not a JSON list, or text that an SQL literal cannot hold;
+and a batch with U+0000 (``store.batch.Batch``).
 """
 
 from __future__ import annotations
