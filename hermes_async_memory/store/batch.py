@@ -221,9 +221,9 @@ class Batch:
         """The log's rows of ``t``'s calls (its first message id ``first``), if the batch's
         calls are still all worked out here. INSERT_CALLS logs the calls in id order: a turn
         out of that order, and the batch goes the SQL way (a batch's turns come in order as
-        a rule, ``IdRanges``). So does a batch with U+0000: it runs its statements one at a
-        time, cut at each ';' outside a literal (``sql.single_statements``), a pass over the
-        statement so far at each one, which over the rows' text took seconds on the loop."""
+        a rule, ``IdRanges``). So does a batch with U+0000, which binds its messages and runs
+        its statements one at a time (``sql.single_statements`` cuts them on the loop; its
+        cutting was quadratic in a long literal, and took seconds over the rows' text)."""
         plan = t.log_plan
         rows = None if (type(plan) is not tuple or self._unjudged or self._has_nul
                         or first <= self._log_after) else values(

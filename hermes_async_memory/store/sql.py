@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sqlite3
 from collections.abc import Sequence
 from typing import Any
@@ -16,18 +17,38 @@ from ..turns import message_of
 KEY_CHUNK = 500
 
 
+# What may hold a ';' that ends no statement: a literal or a quoted name ('', "", ``, []),
+# a comment (--, /* */); and the ';' itself.
+_SKIPPED = re.compile(r"['\"`\[;]|--|/\*")
+# Where each ends. A doubled quote ('it''s') needs nothing of its own: it ends one literal
+# and begins the next, and no ';' is between them.
+_CLOSERS = {"'": "'", '"': '"', "`": "`", "[": "]", "--": "\n", "/*": "*/"}
+
+
 def single_statements(sql: str) -> list[str]:
-    """``sql`` cut into its statements (a ``;`` inside a literal is not a cut), for a
-    connection that runs one at a time inside an open transaction."""
+    """``sql`` cut into its statements, for a connection that runs one at a time inside an
+    open transaction. A ``;`` in a literal, a quoted name or a comment is no cut, nor one
+    inside a trigger's body (``sqlite3.complete_statement`` says where one ends). Literals,
+    names and comments are stepped over whole: asking at each ``;`` in them whether the
+    text so far is a statement made this quadratic, seconds on the event loop for a long
+    text full of ``;``."""
     out: list[str] = []
-    start = 0
-    end = sql.find(";")
-    while end != -1:
-        if sqlite3.complete_statement(sql[start:end + 1]):
-            if sql[start:end].strip():
-                out.append(sql[start:end + 1])
-            start = end + 1
-        end = sql.find(";", end + 1)
+    start = i = 0
+    n = len(sql)
+    while i < n:
+        m = _SKIPPED.search(sql, i)
+        if m is None:
+            break
+        token, i = m.group(), m.end()
+        if token == ";":
+            if sqlite3.complete_statement(sql[start:i]):
+                if sql[start:i - 1].strip():
+                    out.append(sql[start:i])
+                start = i
+        else:
+            closer = _CLOSERS[token]
+            end = sql.find(closer, i)
+            i = n if end < 0 else end + len(closer)
     if sql[start:].strip():
         out.append(sql[start:])
     return out
