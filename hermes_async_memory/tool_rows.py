@@ -8,7 +8,7 @@ a call's row holds is then in the record, and the writer works the rows out as i
 the record (``plan``, from the calls it parses anyway to count them) and, once the turn's
 answers are judged and its ids known, writes them as SQL values (``values``). The store's
 thread then inserts rows, and reads no JSON but the arguments it minifies. On a batch of
-1,000 bench tool turns that takes the log from 606 to 430 million instructions
+1,000 bench tool turns that takes the log from 608 to 392 million instructions
 (docs/benchmark-notes.md).
 
 Every value is the one the SQL way gives (``tool_log.INSERT_CALLS``); tests commit the same
@@ -16,8 +16,8 @@ turns both ways and compare the logs. Where a record leaves any doubt, its plan 
 and the batch logs its calls the SQL way: a call not answered in its record (its answer may come
 later, or a closing message settles it), a record without a user message (the goal is the
 session's last one), a call id that is neither text nor missing, arguments that are neither
-text nor missing, calls that are not a JSON list, or text that an SQL literal cannot hold;
-and a batch with U+0000 (``store.batch.Batch``).
+text nor missing, calls that are not a JSON list, text that an SQL literal cannot hold
+(U+0000, a lone surrogate), or a turn out of id order (``store.batch.Batch``).
 """
 
 from __future__ import annotations

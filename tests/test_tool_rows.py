@@ -72,6 +72,13 @@ WHOLE: list[tuple[str, str | None, list[Msgs]]] = [
           "timestamp": 1_700_000_002},
          {"role": "assistant", "content": "noon"}],
     ]),
+    # U+0000 in texts (their columns hold a U+FFFD copy, and so do the goal and the result),
+    # or the six characters \\u0000: the batch binds its messages one by one and runs its
+    # statements one at a time, cut at each ';' outside a literal (arguments hold many)
+    ("s-nul", "ann", [calls_turn("x\x00y", [call("z", "t")], [("z", "ok\x00")])]),
+    ("s-escaped-nul", "ann", [calls_turn('printf("\\u0000")',
+                                         [fn("sh", '{"c": "cd a; ls; make"}', id="e")],
+                                         [("e", "ok; done")])]),
 ]
 # Batches the loop cannot work out; each is logged the SQL way, whole.
 DOUBTFUL: list[tuple[str, str | None, list[Msgs]]] = [
@@ -88,13 +95,6 @@ DOUBTFUL: list[tuple[str, str | None, list[Msgs]]] = [
          {"role": "tool", "tool_call_id": "nu", "content": "ok"}]]),
     # a tool whose name holds U+0000, which no SQL literal can
     ("s-nul-name", "ann", [calls_turn("x", [fn("t\x00", id="zn")], [("zn", "ok")])]),
-    # U+0000 in texts (their columns hold a U+FFFD copy, and so do the goal and the result),
-    # or the six characters \u0000: the batch binds its messages one by one and runs its
-    # statements one at a time, cut at each ';' outside a literal (arguments hold many)
-    ("s-nul", "ann", [calls_turn("x\x00y", [call("z", "t")], [("z", "ok\x00")])]),
-    ("s-escaped-nul", "ann", [calls_turn('printf("\\u0000")',
-                                         [fn("sh", '{"c": "cd a; ls; make"}', id="e")],
-                                         [("e", "ok; done")])]),
     ("s-wait", "ann", [  # a call left awaiting its answer: later batches settle it
         [{"role": "user", "content": "wait"},
          {"role": "assistant", "content": "", "tool_calls": [call("w1", "t")]}]]),
@@ -103,7 +103,7 @@ DOUBTFUL: list[tuple[str, str | None, list[Msgs]]] = [
 # the store holds an awaiting call: worked out on the loop beside the settling.
 SETTLING = ("s-wait", "ann", [calls_turn("again", [call("w2", "t")],
                                          [("w1", "late"), ("w2", "ok")])])
-WHOLE_SESSIONS = {"s-fix", "s-odd", "s-nouser", "s-stamped"}
+WHOLE_SESSIONS = {"s-fix", "s-odd", "s-nouser", "s-stamped", "s-nul", "s-escaped-nul"}
 
 
 async def commit_all(path: Path) -> None:

@@ -221,11 +221,9 @@ class Batch:
         """The log's rows of ``t``'s calls (its first message id ``first``), if the batch's
         calls are still all worked out here. INSERT_CALLS logs the calls in id order: a turn
         out of that order, and the batch goes the SQL way (a batch's turns come in order as
-        a rule, ``IdRanges``). So does a batch with U+0000, which binds its messages and runs
-        its statements one at a time (``sql.single_statements`` cuts them on the loop; its
-        cutting was quadratic in a long literal, and took seconds over the rows' text)."""
+        a rule, ``IdRanges``)."""
         plan = t.log_plan
-        rows = None if (type(plan) is not tuple or self._unjudged or self._has_nul
+        rows = None if (type(plan) is not tuple or self._unjudged
                         or first <= self._log_after) else values(
             plan, first, {ordinal: outcome for ordinal, _, outcome in t.answers})
         self._log_after = first
@@ -319,8 +317,7 @@ class Batch:
             # Its calls are logged, and its messages settle its sessions' calls that await
             # their answer (no statement at all without calls while none awaits one).
             judged = None if self._unjudged else sql_literal(_ROWS.encode(self._judged))
-            rows = None if self._log_sql or self._unjudged or self._has_nul else (
-                ",".join(self._log_rows))  # (U+0000 in a later chunk: see _add_log_rows)
+            rows = None if self._log_sql else ",".join(self._log_rows)  # (None if unjudged)
             script += log_statements(tool_log, self.mine, sessions=self.session_rows,
                                      calls=self._has_tool_calls, judged=judged, rows=rows)
         script += [
