@@ -17,6 +17,8 @@ from functools import lru_cache
 from json.encoder import encode_basestring_ascii
 from typing import Any, NamedTuple
 
+import orjson
+
 from .errors import InvalidTurnError
 from .ops import ID_DIGITS, LANE_MARK, OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, TemplateOp, parse_op
 from .tool_rows import Plan, read_calls
@@ -43,8 +45,10 @@ _esc = encode_basestring_ascii  # a str as a JSON string literal, ASCII only (C)
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False)
 _FIELDS_ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False,
                                    check_circular=False).encode
-_CALLS_ENCODER = json.JSONEncoder(ensure_ascii=False, check_circular=False,
-                                  allow_nan=False).encode
+# A message's tool calls as its column holds them: compact, as orjson writes them too (see
+# ``_calls_json``).
+_CALLS_ENCODER = json.JSONEncoder(ensure_ascii=False, check_circular=False, allow_nan=False,
+                                  separators=(",", ":")).encode
 # The C scanner json.loads runs, without its two Python wrappers (~0.4 µs a record).
 _scan_once: Callable[[str, int], tuple[Any, int]] = (
     json.JSONDecoder().scan_once)  # type: ignore[attr-defined]
@@ -55,9 +59,9 @@ TURN = "turn"
 # brace, right-aligned, or ``null`` where ids are given at commit (a producer's records).
 ID_SLOT = ID_DIGITS + 1  # from the end of the payload: the digits, then "}"
 NO_ID = b"null".rjust(ID_DIGITS)
-_DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":[%s],"d":%s,"i":' + "null".rjust(ID_DIGITS) + "}"
+_DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":%s,"d":%s,"i":' + "null".rjust(ID_DIGITS) + "}"
 # A turn of a user text and a reply, no metadata: ``_DOC`` with its two rows written out.
-_PLAIN_DOC = _DOC.replace("[%s]", '[["user",%s,null,null,null,null,null,null],'
+_PLAIN_DOC = _DOC.replace('"m":%s', '"m":[["user",%s,null,null,null,null,null,null],'
                           '["assistant",%s,null,null,null,null,null,null]]').replace(
                               '"d":%s', '"d":null')
 _ABSENT: Any = object()
@@ -323,7 +327,7 @@ def encode_payload(
     payload = _DOC % (
         _esc(key), _esc(session_id), _NULL if user_id is None else _esc(user_id),
         accepted_at, _esc(scope_tokens(user_id, session_id)),
-        ",".join([_encode_row(m) for m in messages]),
+        _rows_json(messages),
         _NULL if metadata is None else _esc(_ENCODER.encode(metadata)),
     )
     return _no_quote(payload)
@@ -345,6 +349,19 @@ def _sized(payload: str, max_bytes: int) -> bytes:
         raise InvalidTurnError(f"the turn is {len(data)} bytes encoded; the limit "
                                f"(max_turn_bytes) is {max_bytes}")
     return data
+
+
+def _rows_json(rows: Sequence[Sequence[Any]]) -> str:
+    """The record's ``m``: its rows as a JSON array. orjson writes them in one call where it
+    writes ASCII (a tool turn's seven rows: ~1 µs against ~10 µs row by row): rows of this
+    version hold text, None, integers and finite floats only, which it writes as
+    ``_encode_row`` does (a float's exponent aside: ``1e-07`` is written ``1e-7``). Other
+    text goes row by row, with non-ASCII as \\u escapes."""
+    if all([len(m) == 8 for m in rows]):
+        data = orjson.dumps(rows)
+        if data.isascii():
+            return data.decode("ascii")
+    return "[" + ",".join([_encode_row(m) for m in rows]) + "]"
 
 
 def _encode_row(m: Sequence[Any]) -> str:
@@ -772,13 +789,23 @@ def _text_row(role: str, name: str, value: object, notes: list[int] | None) -> M
 
 
 def _calls_json(i: int, tool_calls: object) -> str:
-    """A message's ``tool_calls`` as JSON text (as ``json.dumps`` writes it).
+    """A message's ``tool_calls`` as JSON text: compact, non-ASCII as it is.
 
-    Encoded first, without the encoder's cycle check: a cycle or a deep nesting stops at the
-    interpreter's recursion limit. Then ``_plain_keys`` walks the lists and dicts alone: the
-    encoder writes a number, bool or None key as text (``{1: "a"}`` as ``{"1": "a"}``),
-    which would not read back as given. Anything it is not sure of goes to ``check_json``,
-    which says what is wrong."""
+    OpenAI's shape goes to orjson (``_openai_shaped``: text in lists and dicts, nothing
+    else orjson could write its own way, such as a UUID or a dataclass). Anything else is
+    encoded first by the standard library, without the encoder's cycle check: a cycle or a
+    deep nesting stops at the interpreter's recursion limit. Then ``_plain_keys`` walks the
+    lists and dicts alone: the encoder writes a number, bool or None key as text (``{1:
+    "a"}`` as ``{"1": "a"}``), which would not read back as given. Anything it is not sure
+    of goes to ``check_json``, which says what is wrong."""
+    if _openai_shaped(tool_calls):
+        # Lists and dicts of text alone: orjson writes exactly what _CALLS_ENCODER would, in
+        # a tenth of the time (5 calls: ~2 µs against ~15 µs). It refuses a lone surrogate,
+        # which the path below names.
+        try:
+            return orjson.dumps(tool_calls).decode()
+        except orjson.JSONEncodeError:
+            pass
     name = f"messages[{i}].tool_calls"
     try:
         calls_json = _CALLS_ENCODER(tool_calls)
@@ -787,7 +814,7 @@ def _calls_json(i: int, tool_calls: object) -> str:
     except (TypeError, ValueError) as exc:
         check_json(name, tool_calls)
         raise InvalidTurnError(f"{name} is not JSON-serialisable") from exc
-    if not (_openai_shaped(tool_calls) or _plain_keys(tool_calls)):
+    if not _plain_keys(tool_calls):
         check_json(name, tool_calls)
     if "\x00" in calls_json or (not calls_json.isascii() and _has_surrogate(calls_json)):
         raise InvalidTurnError(f"{name} holds a NUL or a lone surrogate in its text")

@@ -6,6 +6,7 @@ refused before it is acknowledged; and each message's id is known when ``sync_tu
 from __future__ import annotations
 
 import json
+import sqlite3
 from typing import Any
 
 import pytest
@@ -74,6 +75,27 @@ SHAPES: dict[str, list[Message]] = {
         {"role": "user", "content": "nul\x00inside", "custom": {"nested": [1, 2.5, None]}},
         {"role": "user", "content": "lone \ud800 surrogate", "timestamp": 1_700_000_000.25},
         {"role": "assistant", "content": "floats", "x": 0.1 + 0.2, "big": 2**70},
+    ],
+    # Tool calls of OpenAI's shape are encoded by orjson, and a record whose text is all
+    # ASCII has its rows encoded by it too; anything else by the standard library.
+    "tool calls, every kind of character, ASCII only": [
+        {"role": "user", "content": "it's \"quoted\" \\ back\nslash\ttab \x01\x1f\x7f"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            call("c'1", "write", text="it's \\ \" \x00 \x02"),
+            {"id": "c2", "type": "function",
+             "function": {"name": "grep", "arguments": '{"p": "a\'b\\n"}\n\x1f'}},
+            {"id": "c3"}, {"type": "function", "function": {}}]},
+        {"role": "tool", "tool_call_id": "c'1", "name": "write", "content": "ok ' \x02"},
+        {"role": "assistant", "content": "done"},
+    ],
+    "tool calls beyond ASCII": [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c-\u00e9", "type": "function",
+             "function": {"name": "gr\u00fc\u00dfe",
+                          "arguments": '{"t": "caf\u00e9 \u4e2d\u6587 \U0001F600 \u2028'
+                                       ' \ufeff"}'}}]},
+        {"role": "tool", "tool_call_id": "c-\u00e9", "name": "gr\u00fc\u00dfe",
+         "content": "\u00e9"},
     ],
     # The two commonest shapes (a text message, a tool's answer) have their rows made
     # directly (turns._plain_row) unless a column would not hold a value: then as any other.
@@ -164,6 +186,31 @@ async def test_a_plain_turn_is_stored_as_the_same_turn_given_as_messages(
     assert {h.session_id.split("-")[0] for h in hits} == {"plain", "list"}
 
 
+async def test_the_tool_calls_column_holds_the_same_text_however_the_calls_were_given(
+        mem: MemoryPipeline, settings: Settings) -> None:
+    """Calls of OpenAI's shape take the fast encoder; the same calls in another mapping type
+    take the standard library's. A reader of the file sees one form."""
+    calls = [call("c1", "read", path="caf\u00e9.md", n=3),
+             {"id": "c2", "type": "function", "function": {"name": "t", "arguments": "{}"}}]
+    fast = [{"role": "assistant", "content": "", "tool_calls": calls}]
+    slow = [{"role": "assistant", "content": "", "tool_calls": [Call(c) for c in calls]}]
+    mem.sync_turn("", "", session_id="fast", messages=fast)
+    mem.sync_turn("", "", session_id="slow", messages=slow)
+    await mem.flush()
+    conn = sqlite3.connect(settings.db_path)
+    try:
+        texts = dict(conn.execute("SELECT session_id, tool_calls FROM messages"))
+    finally:
+        conn.close()
+    assert texts["fast"] == texts["slow"]
+    assert json.loads(texts["fast"]) == calls
+    assert (await all_messages(mem, "slow"))[0]["tool_calls"] == calls
+
+
+class Call(dict[str, Any]):
+    """A tool call in a mapping type of the caller's own."""
+
+
 async def test_structured_content_is_searchable_by_its_text(mem: MemoryPipeline) -> None:
     mem.sync_turn("", "", session_id="s", user_id="ann", messages=SHAPES["structured content"])
     await mem.flush()
@@ -202,6 +249,9 @@ async def test_text_a_column_cannot_hold_is_kept_and_indexed_as_a_copy(
      "key that is not a string"),
     (None, [{"role": "tool", "content": "x", "name": "t", "extra": {2: "b"}}],
      "key that is not a string"),
+    (None, [{"role": "assistant", "tool_calls": [
+        {"id": "c\ud800", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}],
+     "lone surrogate"),
     (None, "not a list", "must be a list"),
 ])
 async def test_what_json_cannot_hold_as_given_is_refused_before_it_is_acknowledged(
