@@ -27,6 +27,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
 # One call's row: (its message's ordinal, call id, tool, arguments as given (None: none),
 # its answer's ordinal).
 CallPlan = tuple[int, str, str, "str | None", int]
@@ -41,6 +43,17 @@ def _no_constant(name: str) -> Any:
 _CALLS = json.JSONDecoder(parse_constant=_no_constant).decode
 
 
+def _read(text: str) -> Any:
+    """A message's calls as ``_CALLS`` reads them, by orjson where it can (~2.5x). Where it
+    reads differently (an integer past 64 bits, as a float) is never a value a plan keeps: a
+    call id, a name or arguments must be text. What it refuses (NaN, 1e400, the escape of a
+    lone surrogate, not JSON) goes to ``_CALLS``."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return _CALLS(text)
+
+
 def read_calls(messages: Sequence[Sequence[Any]],
                calls_at: Sequence[tuple[int, str]]) -> tuple[int, Plan | bool]:
     """(how many tool calls the turn holds, as Hermes counts them: the entries of its
@@ -52,7 +65,7 @@ def read_calls(messages: Sequence[Sequence[Any]],
     sure = True
     for i, text in calls_at:
         try:
-            calls = _CALLS(text)
+            calls = _read(text)
         except ValueError:
             sure = False
             try:

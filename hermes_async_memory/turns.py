@@ -148,12 +148,14 @@ class Turn(NamedTuple):
                 RecursionError: it nests too deep to read.
         """
         payload = record.decode("ascii") if isinstance(record, bytes) else record
-        try:
-            doc, end = _scan_once(payload, 0)
-        except StopIteration:
-            end = -1
-        if end != len(payload):
-            doc = json.loads(payload)  # not JSON, or trailing text: the full reader says why
+        doc = _fast_doc(payload)
+        if doc is None:
+            try:
+                doc, end = _scan_once(payload, 0)
+            except StopIteration:
+                end = -1
+            if end != len(payload):
+                doc = json.loads(payload)  # not JSON, or trailing text: the full reader says why
         if type(doc) is not dict:
             raise TypeError("the record is not a JSON object")
         if "x" in doc:
@@ -289,6 +291,23 @@ def _answers(messages: Sequence[Sequence[Any]]) -> tuple[tuple[int, str | None, 
     and its decode builds nothing for them)."""
     return tuple([(i, m[1], UNJUDGED) for i, m in enumerate(messages)
                   if m[0] == "tool" and m[3] is not None])
+
+
+def _fast_doc(payload: str) -> dict[str, Any] | None:
+    """A turn record of this version read by orjson (~2.5x the standard library's scanner),
+    or None: read it the exact way. orjson reads an integer past 64 bits as a float, where a
+    turn record of this version has none (its metadata, fields and tool calls are JSON text
+    within it); an earlier version's record may hold its metadata as an object, and is read
+    again. orjson refuses the escape of a lone surrogate, NaN and trailing text."""
+    if not payload.startswith('{"k":'):
+        return None  # an operation's record (ops)
+    try:
+        doc = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    if type(doc) is not dict or not (doc.get("d") is None or type(doc["d"]) is str):
+        return None
+    return doc
 
 
 def with_first_id(payload: str, first_id: int) -> str:

@@ -96,6 +96,27 @@ async def test_a_record_sqlite_refuses_is_dead_lettered_alone_and_the_rest_commi
         assert again.stats().committed_turns == 0 and again.stats().dead_letters == 0
 
 
+async def test_an_earlier_records_metadata_object_keeps_its_big_integers_exact(
+    tmp_path: Path,
+) -> None:
+    """A record of an earlier version holds its metadata as an object, not as JSON text.
+    The fast reader (orjson) would read an integer past 64 bits as a float, which no token
+    counter takes: such a record is read the exact way, and its session counts its tokens
+    as the integer they are."""
+    settings = Settings(db_path=tmp_path / "m.db")
+    big = 2**64 + 1
+    old = _turn(0).decode().replace('"d":null', f'"d":{{"input_tokens":{big},"n":[{-big}]}}')
+    _leave_in_outbox(settings, [old.encode()])
+    async with MemoryPipeline(settings) as mem:
+        with anyio.fail_after(20):
+            await mem.flush()
+        assert mem.stats().committed_turns == 1 and mem.stats().dead_letters == 0
+        rows = await mem.get_messages("s0")
+        assert rows[0]["metadata"] == {"input_tokens": big, "n": [-big]}
+        session = await mem.store.get_session("s0")
+        assert session is not None and session["input_tokens"] == float(big)  # as SQLite sums
+
+
 async def test_a_record_nested_too_deep_to_read_is_dead_lettered_at_start(
     tmp_path: Path,
 ) -> None:
