@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import cast
 
 from .message_ids import MessageIds
-from .slices import CHUNK, maybe_yield, runs
+from .slices import CHUNK, committing, maybe_yield, runs
 from .sources import judge_all
 from .store import Batch, SqliteStore
 from .store.tool_log import ToolLogConfig
@@ -59,7 +59,10 @@ class StoreSink:
             batch.inbox_ids = [t.seq for t in turns]
             batch.lease_owner = lease_owner
         async with self._transactions:
-            await self._store.commit_batch(batch)
+            # Only now is the store's thread at work: the loop's naps (slices) start here,
+            # not while the batch above is built on the loop itself.
+            with committing():
+                await self._store.commit_batch(batch)
         return batch.n_messages
 
     async def held(self, keys: Sequence[str]) -> set[str]:
@@ -86,7 +89,8 @@ class ForwardSink:
     async def commit(self, turns: Sequence[Turn], lease_owner: str | None) -> int:
         # The records as they are: the worker builds the batch it commits.
         async with self._transactions:
-            await self._store.forward_batch(turns)
+            with committing():
+                await self._store.forward_batch(turns)
         return sum(t.n_messages for t in turns)
 
     async def held(self, keys: Sequence[str]) -> set[str]:

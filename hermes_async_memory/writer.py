@@ -33,7 +33,7 @@ from .faults import Fault, classify, is_disk_full
 from .metrics import PipelineObserver
 from .ops import OP_SESSION
 from .retry import Backoff
-from .slices import CHUNK, begin, committing, maybe_yield
+from .slices import CHUNK, begin, maybe_yield
 from .supervisor import DISK_FULL_STORE, Conditions
 from .turns import Turn
 
@@ -393,9 +393,9 @@ class Writer:
             self._meanwhile = asyncio.get_running_loop().create_task(
                 self._meanwhile_work(done, source if reads_ahead else None),
                 name="hermes-memory-writer-meanwhile")
-        # On failure the work meanwhile goes on; the next commit or take waits for it.
-        with committing():
-            rows = await self._sink.commit(turns, source.lease_owner)
+        # On failure the work meanwhile goes on; the next commit or take waits for it. The
+        # sink marks the span its store's thread works in (slices.committing).
+        rows = await self._sink.commit(turns, source.lease_owner)
         begin()  # back from the store's thread: a fresh slice for the bookkeeping
         await self._meanwhile_done()  # finished already, as a rule
         return rows
