@@ -80,6 +80,7 @@ from _common import (
 
 from hermes_async_memory import FlushTimeoutError, MemoryPipeline, Settings
 from hermes_async_memory.store import SCHEMA
+from hermes_async_memory.store.text_index import WORD_TABLE
 from hermes_async_memory.turns import scope_tokens
 
 GOAL_VS_RAW = 0.60
@@ -218,7 +219,8 @@ def per_call(path: Path, turns: list[TurnSpec], *, wal: bool) -> float:
     conn = sqlite3.connect(path)
     if wal:
         conn.execute("PRAGMA journal_mode = WAL")  # persistent in the file
-    conn.executescript(SCHEMA + PER_CALL_TRIGGER)
+    # The word index is made apart from SCHEMA (a SQLite without FTS5 runs without it).
+    conn.executescript(SCHEMA + WORD_TABLE + PER_CALL_TRIGGER)
     conn.commit()
     conn.close()
 
