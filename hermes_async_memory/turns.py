@@ -21,7 +21,7 @@ import orjson
 
 from .errors import InvalidTurnError
 from .ops import ID_DIGITS, LANE_MARK, OP_KV, OP_SESSION, OP_TEMPLATE, KvOp, TemplateOp, parse_op
-from .tool_rows import Plan, read_calls
+from .tool_rows import Plan, read_calls, values
 
 # One stored message: (role, content text or None, tool calls as JSON text, tool call id,
 # tool name, token count, timestamp or None (the record's), fields as JSON text or None).
@@ -118,9 +118,10 @@ class Turn(NamedTuple):
     # the tool log: the outcome is ``UNJUDGED`` until the writer judges them on the loop
     # (``sources.judge_all``, ``with_outcomes``).
     answers: tuple[tuple[int, str | None, Any], ...] = ()
-    # Its tool calls' rows for the log, worked out as it was decoded (``tool_rows.Plan``);
-    # False where the commit must log its calls the SQL way; None: no message with calls.
-    log_plan: Plan | bool | None = None
+    # Its tool calls' rows for the log, worked out as it was decoded (``tool_rows.Plan``),
+    # then as SQL values once its answers are judged and its ids known (a str); False where
+    # the commit must log its calls the SQL way; None: no message with calls.
+    log_plan: Plan | str | bool | None = None
 
     @classmethod
     def build(
@@ -264,9 +265,16 @@ class Turn(NamedTuple):
         return md if isinstance(md, dict) else None
 
     def with_outcomes(self, judge: Callable[[str | None], Any]) -> Turn:
-        """This turn with each tool answer's outcome, ``judge(content)``."""
-        return self._replace(answers=tuple([(i, content, judge(content))
-                                            for i, content, _ in self.answers]))
+        """This turn with each tool answer's outcome, ``judge(content)``; and with its plan's
+        log rows as SQL values where its ids are known (the read-ahead judges while the last
+        batch commits: the values are then no work for the next batch's serial build)."""
+        answers = tuple([(i, content, judge(content)) for i, content, _ in self.answers])
+        plan = self.log_plan
+        if type(plan) is tuple and self.first_id is not None:
+            rows = values(plan, self.first_id, {i: outcome for i, _, outcome in answers})
+            if rows is not None:  # else the batch finds None as well: the SQL way
+                plan = rows
+        return self._replace(answers=answers, log_plan=plan)
 
     def with_seq(self, seq: int) -> Turn:
         return self._replace(seq=seq)
@@ -275,7 +283,10 @@ class Turn(NamedTuple):
         """This turn with its messages' ids from ``first_id`` on, written into its payload
         (for a record that came without: a producer's, or an earlier version's)."""
         payload = with_first_id(self.payload, first_id)
-        return self._replace(payload=payload, nbytes=len(payload), first_id=first_id)
+        # Log rows worked out for other ids would be wrong: the plan is gone, the SQL way.
+        plan = False if type(self.log_plan) is str else self.log_plan
+        return self._replace(payload=payload, nbytes=len(payload), first_id=first_id,
+                             log_plan=plan)
 
     @classmethod
     def stub(cls, key: str, session_id: str, *, seq: int = 0, segment: int = 0,

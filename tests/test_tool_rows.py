@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from hermes_async_memory import MemoryPipeline, Settings
+from hermes_async_memory import turns as turns_module
 from hermes_async_memory.store import batch as batch_module
 
 from .test_procedural_log import SESSION, call
@@ -135,19 +136,25 @@ def log_of(path: Path) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
 
 async def test_the_loops_rows_are_the_sql_ways_row_for_row(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The rows the loop worked out, as the commits hand them to SQLite (LOG_ROWS' VALUES).
     worked_out: list[str] = []
-    values = batch_module.values
+    statements = batch_module.Batch.statements
 
-    def counting(*args: Any) -> str | None:
-        rows = values(*args)
-        if rows:
-            worked_out.append(rows)
-        return rows
+    def recording(self: batch_module.Batch, **kwargs: Any) -> list[str]:
+        script = statements(self, **kwargs)
+        worked_out.extend(text.split("VALUES ", 1)[1].split(";\nINSERT INTO tool_calls")[0]
+                          for text in script if "INSERT INTO temp.tool_rows" in text)
+        return script
 
-    monkeypatch.setattr(batch_module, "values", counting)
+    monkeypatch.setattr(batch_module.Batch, "statements", recording)
     await commit_all(tmp_path / "loop.db")
-    monkeypatch.setattr(batch_module, "values", lambda *args: None)  # every batch the SQL way
+    # Every batch the SQL way: the values are worked out as a turn's answers are judged
+    # (turns.Turn.with_outcomes), or as its batch is built when its ids were not known then.
+    for module in (turns_module, batch_module):
+        monkeypatch.setattr(module, "values", lambda *args: None)
+    worked_out_before = len(worked_out)
     await commit_all(tmp_path / "sql.db")
+    assert len(worked_out) == worked_out_before
 
     loop_rows, loop_times = log_of(tmp_path / "loop.db")
     sql_rows, sql_times = log_of(tmp_path / "sql.db")

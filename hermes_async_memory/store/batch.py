@@ -223,9 +223,14 @@ class Batch:
         out of that order, and the batch goes the SQL way (a batch's turns come in order as
         a rule, ``IdRanges``)."""
         plan = t.log_plan
-        rows = None if (type(plan) is not tuple or self._unjudged
-                        or first <= self._log_after) else values(
-            plan, first, {ordinal: outcome for ordinal, _, outcome in t.answers})
+        if self._unjudged or first <= self._log_after:
+            rows = None
+        elif type(plan) is str:  # worked out as the turn was judged (Turn.with_outcomes)
+            rows = plan if first == t.first_id else None
+        elif type(plan) is tuple:
+            rows = values(plan, first, {ordinal: outcome for ordinal, _, outcome in t.answers})
+        else:
+            rows = None
         self._log_after = first
         if rows is None:
             self._log_sql = True
