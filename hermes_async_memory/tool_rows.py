@@ -152,14 +152,16 @@ def values(plan: Plan, first_id: int, outcomes: Mapping[int, Any]) -> str | None
                      f"{'NULL' if arguments is None else _q(arguments)},{first_id + answer},"
                      f"{outcome}{tail}")
     text = ",".join(parts)
-    if "\x00" in text or not (text.isascii() or _utf8(text)):
+    if "\x00" in text or (not text.isascii() and has_surrogate(text)):
         return None
     return text
 
 
-def _utf8(text: str) -> bool:
+def has_surrogate(text: str) -> bool:
+    """Whether ``text`` holds a lone surrogate, which UTF-8 cannot hold (here rather than in
+    ``turns``, which imports this module)."""
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate
-        return False
-    return True
+    except UnicodeEncodeError:
+        return True
+    return False

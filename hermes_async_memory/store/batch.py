@@ -225,8 +225,8 @@ class Batch:
         plan = t.log_plan
         if self._unjudged or first <= self._log_after:
             rows = None
-        elif type(plan) is str:  # worked out as the turn was judged (Turn.with_outcomes)
-            rows = plan if first == t.first_id else None
+        elif type(plan) is str:  # worked out for its ids as it was judged (with_outcomes)
+            rows = plan
         elif type(plan) is tuple:
             rows = values(plan, first, {ordinal: outcome for ordinal, _, outcome in t.answers})
         else:
