@@ -62,7 +62,9 @@ class MessageIds:
 
     def give_locked(self, n: int) -> int:
         """``take`` for a caller that already holds the lock given to ``use_lock``."""
-        return self._give(n)
+        first = self._next  # ``_give``, inlined: this runs in every sync_turn
+        self._next += max(int(n), 1)
+        return first
 
     def _give(self, n: int) -> int:
         first = self._next

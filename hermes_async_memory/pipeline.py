@@ -54,7 +54,7 @@ from .stats import Meter, PipelineStats
 from .store import SqliteStore, ToolLogConfig
 from .supervisor import DISK_FULL, Conditions, Health
 from .templates.store import TemplateStore
-from .turns import Receipt, check_id, encode_turn
+from .turns import CHECKED_IDS, Receipt, check_id, encode_turn
 from .waker import LoopWaker
 
 _new_tuple = tuple.__new__
@@ -285,7 +285,9 @@ class MemoryPipeline:
             PipelineClosedError: the pipeline is not open.
         """
         parts = self._accepting()
-        _check_ids(session_id, user_id)
+        if not (type(session_id) is str and session_id in CHECKED_IDS and (
+                user_id is None or (type(user_id) is str and user_id in CHECKED_IDS))):
+            _check_ids(session_id, user_id)  # a new id (a session's first turn, mostly)
         key = f"{self._key_prefix}-{next(self._key_counter):x}"  # new_key(), inlined
         accepted_at = time.time()
         data, n_messages, normalized = encode_turn(

@@ -62,9 +62,14 @@ ID_SLOT = ID_DIGITS + 1  # from the end of the payload: the digits, then "}"
 NO_ID = b"null".rjust(ID_DIGITS)
 _DOC = '{"k":%s,"s":%s,"u":%s,"t":%r,"c":%s,"m":%s,"d":%s,"i":' + "null".rjust(ID_DIGITS) + "}"
 # A turn of a user text and a reply, no metadata: ``_DOC`` with its two rows written out.
-_PLAIN_DOC = _DOC.replace('"m":%s', '"m":[["user",%s,null,null,null,null,null,null],'
-                          '["assistant",%s,null,null,null,null,null,null]]').replace(
-                              '"d":%s', '"d":null')
+# A turn of a user text and a reply, no metadata: ``_DOC`` with its two rows written out, in
+# bytes, from the key, the ids' part (``_scope_parts``), the time, the scope's part and the
+# two texts, each as a JSON string.
+_PLAIN_RECORD = _DOC.replace('"m":%s', '"m":[["user",%s,null,null,null,null,null,null],'
+                             '["assistant",%s,null,null,null,null,null,null]]').replace(
+    '"d":%s', '"d":null').replace('"s":%s,"u":%s', "%s").replace('"c":%s', "%s").replace(
+    "%r", "%a").encode("ascii")
+_dumps = orjson.dumps
 _ABSENT: Any = object()
 UNJUDGED: Any = object()  # a tool answer's outcome before the writer judged it (Turn.answers)
 
@@ -329,12 +334,7 @@ def with_first_id(payload: str, first_id: int) -> str:
     return payload[:-ID_SLOT] + str(int(first_id)).rjust(ID_DIGITS) + "}"
 
 
-def has_id_slot(payload: bytes) -> bool:
-    """Whether ``payload`` is a turn record with an empty id slot at its end."""
-    return payload.endswith(_EMPTY_SLOT)
-
-
-_EMPTY_SLOT = b',"i":' + NO_ID + b"}"  # how a turn record without its ids ends
+EMPTY_SLOT = b',"i":' + NO_ID + b"}"  # how a turn record without its ids ends
 
 
 def encode_payload(
@@ -377,9 +377,13 @@ def _sized(payload: str, max_bytes: int) -> bytes:
     """
     data = payload.encode("ascii")
     if len(data) > max_bytes:
-        raise InvalidTurnError(f"the turn is {len(data)} bytes encoded; the limit "
-                               f"(max_turn_bytes) is {max_bytes}")
+        raise _too_big(len(data), max_bytes)
     return data
+
+
+def _too_big(size: int, max_bytes: int) -> InvalidTurnError:
+    return InvalidTurnError(f"the turn is {size} bytes encoded; the limit (max_turn_bytes) is "
+                            f"{max_bytes}")
 
 
 def _rows_json(rows: Sequence[Sequence[Any]]) -> str:
@@ -581,6 +585,26 @@ def scope_tokens(user_id: str | None, session_id: str) -> str:
     return f"s{scope_hash(session_id)}"
 
 
+def _scope_parts(session_id: str, user_id: str | None) -> tuple[bytes, bytes]:
+    """A turn record's ``"s":..,"u":..`` and ``"c":..`` as the record holds them, for the
+    (checked) ids; kept for the session's next turns (exact ``str`` ids only: a subclass
+    could compare equal to one and still differ). Emptied when full; any thread."""
+    parts = (
+        _no_quote(f'"s":{_esc(session_id)},"u":'
+                  f'{_NULL if user_id is None else _esc(user_id)}').encode("ascii"),
+        ('"c":' + _esc(scope_tokens(user_id, session_id))).encode("ascii"),
+    )
+    if type(session_id) is str and (user_id is None or type(user_id) is str):
+        if len(_SCOPES) >= _SCOPES_MAX:
+            _SCOPES.clear()
+        _SCOPES[session_id, user_id] = parts
+    return parts
+
+
+_SCOPES: dict[tuple[str, str | None], tuple[bytes, bytes]] = {}
+_SCOPES_MAX = 16_384  # ~300 bytes each
+
+
 def scope_token_for(user_id: str | None, session_id: str | None) -> str:
     """The one token a recall filters on: the user's when known, else the session's."""
     if user_id:
@@ -615,6 +639,7 @@ def check_id(name: str, value: object, *, optional: bool = False) -> str | None:
 # Ids check_id passed (its rules do not depend on the name), so a session's next turns skip
 # them (~0.5 µs a turn of ~10 here). Emptied when full; any thread.
 _PASSED: dict[str, None] = {}
+CHECKED_IDS = _PASSED  # read only: ``sync_turn`` looks its ids up here before checking
 _PASSED_MAX = 65_536
 
 
@@ -941,15 +966,26 @@ def encode_turn(
             counts, not JSON, or over ``max_bytes`` encoded); nothing was stored.
     """
     if (messages is None and metadata is None and type(user_content) is str
-            and type(assistant_content) is str and _column_text(user_content)
-            and _column_text(assistant_content)):
+            and type(assistant_content) is str and "\x00" not in user_content
+            and "\x00" not in assistant_content):
         # The common turn, a user text and a reply, put together in one step: the rows
         # ``turn_messages`` would make, encoded as ``encode_payload`` would (~40 % less).
-        payload = _PLAIN_DOC % (
-            _esc(key), _esc(session_id), _NULL if user_id is None else _esc(user_id),
-            accepted_at, _esc(scope_tokens(user_id, session_id)), _esc(user_content),
-            _esc(assistant_content))
-        return _sized(_no_quote(payload), max_bytes), 2, False
+        if user_content.isascii() and assistant_content.isascii():
+            # The commonest, ASCII text: its JSON strings from orjson (~3x the standard
+            # library's escaper; DEL goes unescaped, as JSON allows).
+            texts = _dumps(user_content), _dumps(assistant_content)
+        elif _has_surrogate(user_content) or _has_surrogate(assistant_content):
+            texts = None  # no text column holds it: a row of its own (``message_row``)
+        else:
+            texts = _esc(user_content).encode("ascii"), _esc(assistant_content).encode("ascii")
+        if texts is not None:
+            ids = _SCOPES.get((session_id, user_id)) or _scope_parts(session_id, user_id)
+            data = _PLAIN_RECORD % (_dumps(key), ids[0], accepted_at, ids[1], *texts)
+            if b"'" in data:
+                data = data.replace(b"'", b"\\u0027")
+            if len(data) > max_bytes:
+                raise _too_big(len(data), max_bytes)
+            return data, 2, False
     md = check_metadata(metadata)
     notes: list[int] = []
     rows = turn_messages(user_content, assistant_content, messages, notes)

@@ -159,7 +159,10 @@ async def test_a_turn_split_across_two_calls_is_stored_once_in_order(
 
 
 PLAIN_TEXTS = ["", "it's Ann's", '"quoted" \\ back\nslash\ttab', "café 中文 \U0001F600",
-               "nul\x00inside", "lone \ud800 surrogate", "x" * 3000]
+               "nul\x00inside", "lone \ud800 surrogate", "x" * 3000,
+               "ctrl \x01\x1f del \x7f, escaped as text: \\u0027 \\n ''"]
+# Ids whose part of the record is made once and kept (turns._scope_parts).
+PLAIN_IDS = [("o'brien", "ann"), ("zoë-1", "zoë"), ("ann's", None), ("plain-ids", "ann")]
 
 
 async def test_a_plain_turn_is_stored_as_the_same_turn_given_as_messages(
@@ -184,6 +187,25 @@ async def test_a_plain_turn_is_stored_as_the_same_turn_given_as_messages(
                                    {"role": "assistant", "content": a}]
     hits = await mem.sessions.search("Ann's", user_id="ann")
     assert {h.session_id.split("-")[0] for h in hits} == {"plain", "list"}
+
+
+async def test_a_plain_turn_keeps_its_ids_and_texts_turn_after_turn(mem: MemoryPipeline) -> None:
+    """The ids' part of a plain turn's record is made at the session's first turn and kept:
+    every turn of each session, ids with quotes or beyond ASCII, comes back in its session,
+    under its user, in order, its texts as given."""
+    texts = [t for t in PLAIN_TEXTS if "\x00" not in t]
+    for round_ in range(3):
+        for sid, uid in PLAIN_IDS:
+            for t in texts:
+                mem.sync_turn(f"{round_} {t}", t, session_id=sid, user_id=uid)
+    await mem.flush()
+    for sid, uid in PLAIN_IDS:
+        got = await all_messages(mem, sid)
+        assert got == [m for r in range(3) for t in texts
+                       for m in ({"role": "user", "content": f"{r} {t}"},
+                                 {"role": "assistant", "content": t})]
+        session = await mem.sessions.get_session(sid)
+        assert session is not None and session.user_id == uid
 
 
 async def test_the_tool_calls_column_holds_the_same_text_however_the_calls_were_given(

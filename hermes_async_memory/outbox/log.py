@@ -34,7 +34,7 @@ from ..errors import CorruptOutboxError, DiskFullError, QueueFullError, StoreErr
 from ..message_ids import MessageIds
 from ..ops import ID_DIGITS
 from ..settings import OverflowPolicy
-from ..turns import ID_SLOT, has_id_slot
+from ..turns import EMPTY_SLOT, ID_SLOT
 from . import records as fmt
 from .records import COUNT_MASK, HEAD, HEADER_BYTES, KIND_TURN
 from .segments import (
@@ -368,7 +368,7 @@ class Outbox:
                     "the overflow policy is 'reject'"
                 )
             ids = self.ids
-            if ids is None or not n_messages or not has_id_slot(payload):
+            if ids is None or not n_messages or not payload.endswith(EMPTY_SLOT):
                 return self._write(payload, info), over, None
             first = ids.give_locked(n_messages)  # ``ids`` shares this lock: see ``give_ids``
             return self._write(payload, info, b"%*d" % (ID_DIGITS, first)), over, first
