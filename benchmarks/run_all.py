@@ -28,8 +28,9 @@ from pathlib import Path
 from _common import BENCH_DIR, library_version, machine
 
 BENCHMARKS = (
-    "prefetch", "sync_turn", "throughput", "loop_lag", "memory", "recall", "flush", "hermes",
-    "hermes_state", "honcho", "kv", "sessions", "procedural", "postgres", "ui",
+    "prefetch", "sync_turn", "instructions", "throughput", "loop_lag", "memory", "recall",
+    "flush", "hermes", "hermes_state", "honcho", "kv", "sessions", "procedural", "postgres",
+    "ui",
 )
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 QUIET_BELOW = 0.15
