@@ -60,7 +60,7 @@ TEMPLATE_ACTIONS = frozenset({"put", "delete", "use", "outcome"})
 PUT_MODES = frozenset({"save", "keep", "auto"})
 # An imported message: id, turn key, ordinal, role, content, tool calls (JSON text), tool call
 # id, tool name, timestamp, user id, metadata (JSON text), token count, fields (JSON text: the
-# keys no column holds, ``turns.message_row``), active (1, or 0: set aside by the host),
+# keys no column holds, ``message_rows.message_row``), active (1, or 0: set aside by the host),
 # compacted (1: set aside by a compaction, still found by Hermes's search); as exported. An
 # earlier version's record has no compacted flag (14), no active flag (13), nor fields (12).
 IMPORTED_MESSAGE_FIELDS = 15
@@ -122,7 +122,7 @@ USAGE_TEXTS = ("model", "billing_provider", "billing_base_url", "billing_mode", 
 # A replica row's copy of a describe, end or import record also holds the session's row as
 # that event left it, under this key (``store.lifecycle.SNAPSHOT``): what a backend mirrors.
 SNAPSHOT_FIELD = "snap"
-# No id may hold this character (``turns.check_id``), so a lane is never a session's id.
+# No id may hold this character (``message_rows.check_id``), so a lane is never a session's id.
 LANE_MARK = "\x01"
 
 _ENCODER = json.JSONEncoder(ensure_ascii=True, separators=(",", ":"), allow_nan=False)

@@ -42,6 +42,7 @@ from .errors import (
 )
 from .fence import Fence
 from .memory.backends import memory_for
+from .message_rows import CHECKED_IDS, check_id
 from .metrics import PipelineObserver
 from .outbox.destroyed import DESTROYED_FILE, OUTBOX_DESTROYED
 from .parts import Parts, build_parts, collect_stats
@@ -54,7 +55,7 @@ from .stats import Meter, PipelineStats
 from .store import SqliteStore, ToolLogConfig
 from .supervisor import DISK_FULL, Conditions, Health
 from .templates.store import TemplateStore
-from .turns import CHECKED_IDS, Receipt, check_id, encode_turn
+from .turns import Receipt, encode_turn
 from .waker import LoopWaker
 
 _new_tuple = tuple.__new__

@@ -98,7 +98,7 @@ SHAPES: dict[str, list[Message]] = {
          "content": "\u00e9"},
     ],
     # The two commonest shapes (a text message, a tool's answer) have their rows made
-    # directly (turns._plain_row) unless a column would not hold a value: then as any other.
+    # directly (message_rows._plain_row) unless a column would not hold a value: then as any other.
     "common shapes, with values a column would not hold": [
         {"role": "user", "content": "two\x00keys"},
         {"role": "assistant", "content": "two \udc80 keys"},

@@ -248,8 +248,9 @@ def test_a_judged_turns_answers_leave_the_collectors_walks() -> None:
     are plain tuples of plain values, which the collector lets go of once it has seen them
     (outcomes were lists, each tracked for as long as it lived, as was the pair the batch
     kept of each)."""
+    from hermes_async_memory.message_rows import turn_messages
     from hermes_async_memory.store.tool_log import outcome_row
-    from hermes_async_memory.turns import Turn, turn_messages
+    from hermes_async_memory.turns import Turn
 
     messages = [
         {"role": "user", "content": "read the notes"},

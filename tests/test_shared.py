@@ -22,11 +22,12 @@ import pytest
 from hermes_async_memory import MemoryPipeline, Settings
 from hermes_async_memory.errors import LeaseLostError
 from hermes_async_memory.maintenance import RESULTS_KEPT_S, Maintenance
+from hermes_async_memory.message_rows import turn_messages
 from hermes_async_memory.outbox import Outbox
 from hermes_async_memory.parts import RECALL_SERVER_CONCURRENCY
 from hermes_async_memory.store import Batch, SqliteStore
 from hermes_async_memory.supervisor import Conditions
-from hermes_async_memory.turns import Turn, encode_payload, turn_messages
+from hermes_async_memory.turns import Turn, encode_payload
 
 from .helpers import count_rows, stored_turns
 from .test_writer import _leave_in_outbox

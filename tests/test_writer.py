@@ -11,8 +11,9 @@ import anyio
 import pytest
 
 from hermes_async_memory import InvalidTurnError, MemoryPipeline, PipelineObserver, Settings
+from hermes_async_memory.message_rows import turn_messages
 from hermes_async_memory.outbox import Outbox
-from hermes_async_memory.turns import encode_payload, turn_messages
+from hermes_async_memory.turns import encode_payload
 
 from .helpers import count_rows, stored_turns
 

@@ -17,7 +17,7 @@ What differs from Hermes's own, by design (docs/hermes.md, "Hermes's session sto
   so ``_conn`` reads as Hermes's code expects) and our memory beside them. Hermes's own
   ``state.db`` is refused, untouched; ``hermes-memory hermes import-state`` brings its
   sessions over (``migrate``).
-- Messages keep every key they were given (``turns.message_row``); a lone surrogate in their
+- Messages keep every key they were given (``message_rows.message_row``); a lone surrogate in their
   text (content, tool name, reasoning, api_content) is stored as U+FFFD, as Hermes does.
 - A message's tool name and tool calls are searched in an index of their own beside the
   text's (Hermes indexes the three as one text): a query matches within either.
@@ -53,11 +53,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigurationError, HermesMemoryError, StoreError
+from ..message_rows import sanitize
 from ..settings import Settings
 from ..store import hermes_reads as reads
 from ..store.connections import check_store_file
 from ..store.session_filters import SessionFilter
-from ..turns import Receipt, sanitize
+from ..turns import Receipt
 from . import runtime as runtimes
 from .config import DEFAULT_DB, default_hermes_home
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..errors import InvalidTurnError
-from ..turns import MAX_TOKENS, content_text, is_token_count
+from ..message_rows import MAX_TOKENS, content_text, is_token_count
 
 CHARS_PER_TOKEN = 4  # the estimate when a turn's messages report no usage
 # Roles that may lead a turn before its user message (a system prompt, a developer note) or

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidTurnError
-from ..turns import check_id, check_nesting
+from ..message_rows import check_id, check_nesting
 
 MAX_KEY_CHARS = 512
 

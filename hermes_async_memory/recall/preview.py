@@ -26,11 +26,12 @@ from typing import Literal
 
 from ..errors import InvalidTurnError
 from ..fence import Fence
+from ..message_rows import check_id
 from ..procedural.api import ProceduralMemory
 from ..procedural.context import session_block_lines
 from ..settings import Settings
 from ..store import Hit, SqliteStore, StoredTurn
-from ..turns import check_id, scope_token_for
+from ..turns import scope_token_for
 from .cache import RECALL_HEADER, _clip, block_lines, block_text
 from .query import hit_lines, query_terms, render_hits, with_procedural
 from .service import search_hits, stored_recent_turns

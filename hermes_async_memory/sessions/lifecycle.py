@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidTurnError
+from ..message_rows import MAX_TOKENS, check_id, check_metadata, check_nesting, message_row
 from ..ops import (
     LOCK_MODES,
     MAX_META_KEY_CHARS,
@@ -30,15 +31,7 @@ from ..ops import (
     lane_of_meta,
 )
 from ..store.session_filters import SessionFilter
-from ..turns import (
-    MAX_TOKENS,
-    Receipt,
-    check_id,
-    check_metadata,
-    check_nesting,
-    encode_rows,
-    message_row,
-)
+from ..turns import Receipt, encode_rows
 
 if TYPE_CHECKING:
     from ..pipeline import MemoryPipeline

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..blocking import run_blocking
 from ..errors import InvalidTurnError, PipelineClosedError, StoreError
+from ..message_rows import check_id
 from ..store.sessions import SNIPPET_CLOSE, SNIPPET_OPEN
-from ..turns import check_id, scope_token_for
+from ..turns import scope_token_for
 from .search import (
     InvalidSearchError,
     content_expression,
@@ -562,7 +563,7 @@ async def _read(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def _id(name: str, value: object, *, optional: bool = False) -> str | None:
-    """``turns.check_id``, raising InvalidSearchError."""
+    """``message_rows.check_id``, raising InvalidSearchError."""
     try:
         return check_id(name, value, optional=optional)
     except InvalidSearchError:

@@ -61,8 +61,9 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigurationError, HermesMemoryError, InvalidTurnError, StoreError, describe
+from ..message_rows import MAX_TOKENS, check_id, is_token_count, message_row
 from ..ops import IMPORTED_ROW_COLUMNS, encode_session_op
-from ..turns import MAX_TOKENS, Receipt, check_id, is_token_count, message_row
+from ..turns import Receipt
 from .lifecycle import InvalidSessionError, _config
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ messages' generated columns) mean what Hermes's mean, so most reads are Hermes's
 questions asked of our rows.
 
 A message's content comes back as it was given: the structured (list or dict) content, or
-text holding NUL or a lone surrogate, lives in its ``fields`` (``turns.message_row``). So do
+text holding NUL or a lone surrogate, lives in its ``fields`` (``message_rows.message_row``). So do
 Hermes's per-message columns (reasoning, api_content, ...): the store has them as generated
 columns for SQL to filter on, but the reads here take them from the fields in Python.
 SQLite's JSON functions decode a lone surrogate's escape into bytes that are not UTF-8, and

@@ -307,7 +307,7 @@ _ADDED_COLUMNS = (
     # 1: the call awaits its answer (version 11, store.tool_log).
     ("tool_calls", "awaiting", "INTEGER NOT NULL DEFAULT 0"),
 )
-# Version 8: a message's keys no column holds, as given (JSON; see turns.message_row), and
+# Version 8: a message's keys no column holds, as given (JSON; see message_rows.message_row), and
 # Hermes's flags: 0 in active is a message the host set aside (rewound, compacted).
 MESSAGE_COLUMNS = (
     ("messages", "fields", "TEXT"),

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiosqlite
 
-from ..turns import message_of
+from ..message_rows import message_of
 
 # Keys per IN (...) lookup, well under SQLite's bound-parameter limit.
 KEY_CHUNK = 500
@@ -83,7 +83,7 @@ SESSION_MESSAGES = f"SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = ?
 def decode_message(message: dict[str, Any]) -> dict[str, Any]:
     """``message`` (``MESSAGE_COLUMNS``) with its tool calls and metadata decoded (text that
     is not JSON, written by an older version, is kept as stored), and ``message``: the
-    message exactly as it was handed over (``turns.message_of``); ``fields`` goes into it."""
+    message exactly as it was handed over (``message_rows.message_of``); ``fields`` goes into it."""
     fields = message.pop("fields", None)
     message["message"] = message_of(message["role"], message["content"],
                                     message["tool_calls"], message["tool_call_id"], fields,

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import InvalidTurnError, PipelineClosedError, StoreError
+from ..message_rows import check_id
 from ..ops import encode_template_op, lane_of_templates
-from ..turns import Receipt, check_id
+from ..turns import Receipt
 from .choose import choose
 from .classify import classify, classify_tools
 from .extract import NAME_CHARS, extract
