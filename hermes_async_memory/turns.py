@@ -452,8 +452,8 @@ def scope_tokens(user_id: str | None, session_id: str) -> str:
 
 def _scope_parts(session_id: str, user_id: str | None) -> tuple[bytes, bytes]:
     """A turn record's ``"s":..,"u":..`` and ``"c":..`` as the record holds them, for the
-    (checked) ids; kept for the session's next turns (exact ``str`` ids only: a subclass
-    could compare equal to one and still differ). Emptied when full; any thread."""
+    (checked) ids; kept for the session's next turns (exact ``str`` ids only). Emptied when
+    full; any thread."""
     parts = (
         _no_quote(f'"s":{_esc(session_id)},"u":'
                   f'{_NULL if user_id is None else _esc(user_id)}').encode("ascii"),
@@ -506,7 +506,10 @@ def encode_turn(
         else:
             texts = _esc(user_content).encode("ascii"), _esc(assistant_content).encode("ascii")
         if texts is not None:
-            ids = _SCOPES.get((session_id, user_id)) or _scope_parts(session_id, user_id)
+            # Exact ``str`` ids only: a subclass could compare equal to a kept one and differ.
+            ids = (_SCOPES.get((session_id, user_id)) if type(session_id) is str and (
+                user_id is None or type(user_id) is str) else None) or _scope_parts(
+                    session_id, user_id)
             data = _PLAIN_RECORD % (_dumps(key), ids[0], accepted_at, ids[1], *texts)
             if b"'" in data:
                 data = data.replace(b"'", b"\\u0027")

@@ -208,6 +208,26 @@ async def test_a_plain_turn_keeps_its_ids_and_texts_turn_after_turn(mem: MemoryP
         assert session is not None and session.user_id == uid
 
 
+class _Alias(str):
+    """An id that claims to be another: equal to it, and hashed as it."""
+
+    def __eq__(self, other: object) -> bool:
+        return other == "plain-ids" or str.__eq__(self, other)
+
+    def __hash__(self) -> int:
+        return hash("plain-ids")
+
+
+async def test_an_id_is_stored_as_its_own_text_whatever_it_compares_equal_to(
+        mem: MemoryPipeline) -> None:
+    """The ids' part kept for a session is not reused for an id that only compares equal."""
+    mem.sync_turn("first", "turn", session_id="plain-ids", user_id="ann")
+    mem.sync_turn("second", "turn", session_id=_Alias("alias-ids"), user_id="ann")
+    await mem.flush()
+    assert [m["content"] for m in await all_messages(mem, "alias-ids")] == ["second", "turn"]
+    assert [m["content"] for m in await all_messages(mem, "plain-ids")] == ["first", "turn"]
+
+
 async def test_the_tool_calls_column_holds_the_same_text_however_the_calls_were_given(
         mem: MemoryPipeline, settings: Settings) -> None:
     """Calls of OpenAI's shape take the fast encoder; the same calls in another mapping type
