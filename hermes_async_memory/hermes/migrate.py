@@ -11,7 +11,7 @@
              ──► this store's import (``sessions.transfer``), parents before children, in
                  parts that each commit whole
 
-What Hermes hands over is stored as given (``hermes.state.hermes_session_line``, the
+What Hermes hands over is stored as given (``hermes.import_lines.hermes_session_line``, the
 conversion Hermes's own import payloads take through the facade, without its bounds: a
 session of any size comes over). A session whose id the store holds already is skipped, so
 a run cut short is finished by running it again, and a second run imports nothing.
@@ -40,7 +40,7 @@ import anyio
 from ..errors import ConfigurationError, StoreError
 from ..pipeline import MemoryPipeline
 from ..sessions.transfer import ImportLimits, import_sessions
-from .state import hermes_session_line
+from .import_lines import hermes_session_line
 
 # One part of the import: this many sessions, or this many bytes of lines, whichever comes
 # first (a part is one atomic import, held in memory once).

@@ -61,6 +61,8 @@ from ..store.session_filters import SessionFilter
 from ..turns import Receipt
 from . import runtime as runtimes
 from .config import DEFAULT_DB, default_hermes_home
+from .conversation import conversation
+from .import_lines import explicit_timestamp, hermes_session_line
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +94,6 @@ CLOSE_DEADLINE_S = 10.0
 
 _last_init_error: str | None = None
 _last_init_error_lock = threading.Lock()
-_REVIEW_HARNESS_PREFIXES = (
-    "Review the conversation above and update the skill library",
-    "Review the conversation above and consider saving to memory",
-)
-_CONTENT_JSON_PREFIX = "\x00json:"
 _BOOLEAN_WORDS = {"AND", "OR", "NOT"}
 
 
@@ -930,7 +927,7 @@ class SessionDB:
                 message[key] = value
         if observed:
             message["observed"] = True
-        stamp = _timestamp(timestamp)
+        stamp = explicit_timestamp(timestamp)
         if stamp is not None:
             message["timestamp"] = stamp
         receipt = self._writes().append_nowait(session_id, [_scrubbed(message)],
@@ -1034,7 +1031,7 @@ class SessionDB:
             ids = (reads.lineage_root_to_tip(conn, session_id) if include_ancestors
                    else [session_id])
             rows = reads.conversation_rows(conn, ids, include_inactive=include_inactive)
-        return _conversation(rows, session_id=session_id, include_ancestors=include_ancestors,
+        return conversation(rows, session_id=session_id, include_ancestors=include_ancestors,
                              repair_alternation=repair_alternation)
 
     def get_resume_conversations(self, session_id: str
@@ -1043,9 +1040,9 @@ class SessionDB:
         with self._reading() as conn:
             rows = reads.conversation_rows(conn, reads.lineage_root_to_tip(conn, session_id))
         tip = [r for r in rows if r["session_id"] == session_id]
-        return (_conversation(tip, session_id=session_id, include_ancestors=False,
+        return (conversation(tip, session_id=session_id, include_ancestors=False,
                               repair_alternation=True),
-                _conversation(rows, session_id=session_id, include_ancestors=True,
+                conversation(rows, session_id=session_id, include_ancestors=True,
                               repair_alternation=False))
 
     def get_ancestor_display_prefix(self, session_id: str) -> list[dict[str, Any]]:
@@ -1056,7 +1053,7 @@ class SessionDB:
                 return []
             rows = reads.conversation_rows(conn, ids)
         ancestors = [r for r in rows if r["session_id"] != session_id]
-        return _conversation(ancestors, session_id=session_id, include_ancestors=True,
+        return conversation(ancestors, session_id=session_id, include_ancestors=True,
                              repair_alternation=False) if ancestors else []
 
     def get_conversation_root(self, session_id: str) -> str:
@@ -1380,19 +1377,6 @@ def _first_id(receipt: Receipt) -> int:
     return receipt.first_id
 
 
-def _timestamp(value: Any) -> float | None:
-    """An explicit message time as Hermes takes one (a datetime, or a number); None when
-    none was given or it cannot be read (Hermes ignores it then, stamping the message now)."""
-    if value is None:
-        return None
-    try:
-        stamp = float(value.timestamp()) if hasattr(value, "timestamp") else float(value)
-    except (TypeError, ValueError, OverflowError):
-        logger.debug("ignoring an invalid explicit message timestamp: %r", value)
-        return None
-    return stamp if stamp == stamp and stamp not in (float("inf"), float("-inf")) else None
-
-
 # A message's text that Hermes stores with lone surrogates as U+FFFD.
 _SCRUBBED = ("content", "tool_name", "reasoning", "reasoning_content", "api_content")
 
@@ -1414,149 +1398,12 @@ def _hermes_message(m: Mapping[str, Any]) -> dict[str, Any]:
     Hermes reads it."""
     message = dict(m)
     if "timestamp" in message:
-        stamp = _timestamp(message["timestamp"])
+        stamp = explicit_timestamp(message["timestamp"])
         if stamp is None:
             del message["timestamp"]
         elif isinstance(message["timestamp"], _dt.datetime):
             message["timestamp"] = stamp
     return message
-
-
-# A session's text fields Hermes's import checks are text.
-_IMPORT_TEXT_FIELDS = (
-    "source", "user_id", "model", "system_prompt", "end_reason", "cwd", "git_branch",
-    "git_repo_root", "billing_provider", "billing_base_url", "billing_mode", "cost_status",
-    "cost_source", "pricing_version", "title")
-# A message's fields Hermes keeps as text, and those it keeps as JSON text.
-_MESSAGE_TEXT_FIELDS = ("tool_call_id", "tool_name", "effect_disposition", "finish_reason",
-                        "reasoning", "reasoning_content", "platform_message_id", "api_content")
-_MESSAGE_JSON_FIELDS = ("reasoning_details", "codex_reasoning_items", "codex_message_items")
-
-
-def hermes_session_line(raw: Any, sid: str, seen: Sequence[str], *, max_messages: int | None,
-                        max_bytes: int | None, as_stored: bool = False
-                        ) -> tuple[str, int, int]:
-    """One session of Hermes's export (``export_session``, ``export_all``) as our export line,
-    checked as Hermes checks an import: (the line, its messages, its size). ``max_messages``,
-    ``max_bytes``: its bounds (Hermes's import has them; None: none). The message and
-    tool-call counts are those of the messages given, and the rewinds start at 0, as
-    Hermes's import has them; with ``as_stored`` (a session read from Hermes's own file,
-    every message of it), the row's own counts are kept.
-
-    Raises:
-        ValueError: with Hermes's words for what is wrong.
-    """
-    if not isinstance(raw, dict):
-        raise ValueError("session must be an object")
-    if not sid:
-        raise ValueError("session id is required")
-    if sid in seen:
-        raise ValueError("duplicate session id")
-    messages = raw.get("messages") or []
-    if not isinstance(messages, list):
-        raise ValueError("messages must be a list")
-    if max_messages is not None and len(messages) > max_messages:
-        raise ValueError("messages exceeds the per-session import limit")
-    if any(not isinstance(m, dict) for m in messages):
-        raise ValueError("messages must contain only objects")
-    try:
-        size = len(json.dumps(raw, ensure_ascii=False, separators=(",", ":")).encode())
-    except (TypeError, ValueError):
-        raise ValueError("session must be JSON serializable") from None
-    if max_bytes is not None and size > max_bytes:
-        raise ValueError("session exceeds the import size limit")
-    row = {k: raw.get(k) for k in reads.SESSION_COLUMNS if k in raw}
-    config = row.get("model_config")
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except ValueError:
-            raise ValueError("model_config must be valid JSON") from None
-    if config is not None and not isinstance(config, dict):
-        raise ValueError("model_config must be a JSON object")
-    for name in ("parent_session_id", *_IMPORT_TEXT_FIELDS):
-        if row.get(name) is not None and not isinstance(row[name], str):
-            raise ValueError(f"{name} must be a string")
-    started = _number_or(row.get("started_at"), time.time())
-    converted = [_import_message(sid, i, m, started) for i, m in enumerate(messages)]
-    row.update({
-        "id": sid, "source": row.get("source") or "import", "started_at": started,
-        "model_config": None if config is None else json.dumps(config),
-        "message_count": len(converted),
-        "tool_call_count": sum(len(m["message"].get("tool_calls") or ())
-                               for m in converted),
-        # A channel's live state belongs to the process that ran it, not to history.
-        "handoff_state": None, "handoff_platform": None, "handoff_error": None,
-        "rewind_count": 0, "archived": 1 if raw.get("archived") else 0,
-    })
-    for name in ("ended_at", "estimated_cost_usd", "actual_cost_usd"):
-        row[name] = _number_or(row.get(name), None)
-    for name in ("input_tokens", "output_tokens", "cache_read_tokens",
-                 "cache_write_tokens", "reasoning_tokens", "api_call_count"):
-        row[name] = int(_number_or(row.get(name), 0))
-    if as_stored:
-        for name in ("message_count", "tool_call_count", "rewind_count"):
-            if type(raw.get(name)) is int:
-                row[name] = raw[name]
-    row["updated_at"] = row.get("ended_at") or started
-    return json.dumps({**row, "messages": converted}), len(converted), size
-
-
-def _import_message(sid: str, index: int, m: Mapping[str, Any], started: float
-                    ) -> dict[str, Any]:
-    """A message of Hermes's export (a ``get_messages`` row) as our export line holds it:
-    the message as Hermes was given it, with its time and place.
-
-    Raises:
-        ValueError: with Hermes's words for what is wrong.
-    """
-    role = m.get("role")
-    if not isinstance(role, str) or not role:
-        raise ValueError(f"messages[{index}].role must be a non-empty string")
-    message: dict[str, Any] = {"role": role, "content": m.get("content")}
-    for name in _MESSAGE_TEXT_FIELDS:
-        value = m.get(name)
-        if value is not None:
-            if not isinstance(value, str):
-                raise ValueError(f"{name} must be a string")
-            message[name] = value
-    if m.get("message_id") is not None and "platform_message_id" not in message:
-        message["platform_message_id"] = m["message_id"]
-    for name in _MESSAGE_JSON_FIELDS:
-        value = m.get(name)
-        if isinstance(value, str):
-            value = _json_or(value, value)
-        if value:
-            message[name] = value
-    if m.get("tool_calls"):
-        message["tool_calls"] = m["tool_calls"]
-    if m.get("observed"):
-        message["observed"] = True
-    tokens = m.get("token_count")
-    if tokens is not None:
-        try:
-            message["token_count"] = int(tokens)
-        except (TypeError, ValueError):
-            raise ValueError("token_count must be an integer") from None
-    stamp = _timestamp(m.get("timestamp"))
-    if stamp is not None:
-        message["timestamp"] = stamp
-    mid = m.get("id")
-    line = {"id": mid if type(mid) is int and mid > 0 else index + 1,
-            "turn_key": f"{sid}#{index}", "role": role,
-            "timestamp": stamp if stamp is not None else started,
-            "active": 0 if m.get("active") == 0 else 1, "message": message}
-    if m.get("compacted"):
-        line["compacted"] = 1
-    return line
-
-
-def _number_or(value: Any, default: Any) -> Any:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return default
-    return number if number == number and abs(number) != float("inf") else default
 
 
 def _preview(content: Any) -> str:
@@ -1582,108 +1429,6 @@ def _is_branch(session: Mapping[str, Any]) -> bool:
     except ValueError:
         return False
     return isinstance(config, dict) and config.get("_branched_from") is not None
-
-
-def _conversation(rows: Sequence[Mapping[str, Any]], *, session_id: str, include_ancestors: bool,
-                  repair_alternation: bool) -> list[dict[str, Any]]:
-    """Message rows as Hermes replays them: OpenAI messages, recalled memory context
-    stripped from user and assistant text, an assistant's reasoning and finish reason
-    restored, a replayed user prompt shown once across a lineage, background-review harness
-    turns dropped, and (``repair_alternation``) Hermes's own repair of the sequence."""
-    sanitize_context = _hermes_helper("agent.memory_manager", "sanitize_context")
-    messages: list[dict[str, Any]] = []
-    for row in rows:
-        content = reads.given_content(row)
-        if row["role"] in ("user", "assistant") and isinstance(content, str):
-            content = sanitize_context(content).strip()
-        msg: dict[str, Any] = {"role": row["role"], "content": content}
-        if row["api_content"]:
-            msg["api_content"] = row["api_content"]
-        if row["timestamp"]:
-            msg["timestamp"] = row["timestamp"]
-        if row["tool_call_id"]:
-            msg["tool_call_id"] = row["tool_call_id"]
-        if row["tool_name"]:
-            msg["tool_name"] = row["tool_name"]
-        if row["effect_disposition"]:
-            msg["effect_disposition"] = row["effect_disposition"]
-        if row["tool_calls"]:
-            msg["tool_calls"] = _json_or(row["tool_calls"], [])
-        if row["platform_message_id"]:
-            msg["message_id"] = row["platform_message_id"]
-        if row["observed"]:
-            msg["observed"] = True
-        if row["role"] == "assistant":
-            if row["finish_reason"]:
-                msg["finish_reason"] = row["finish_reason"]
-            if row["reasoning"]:
-                msg["reasoning"] = row["reasoning"]
-            if row["reasoning_content"] is not None:
-                msg["reasoning_content"] = row["reasoning_content"]
-            for key in ("reasoning_details", "codex_reasoning_items", "codex_message_items"):
-                if row[key]:
-                    msg[key] = _json_or(row[key], None)
-        if include_ancestors and _replayed_user_prompt(messages, msg):
-            continue
-        messages.append(msg)
-    messages = _without_review_harness(messages)
-    if repair_alternation and messages:
-        repair = _hermes_helper("agent.agent_runtime_helpers", "repair_message_sequence")
-        repaired = repair(None, messages)
-        if repaired:
-            logger.info("repaired %d message-alternation violation(s) restoring session %s",
-                        repaired, session_id)
-    return messages
-
-
-def _json_or(text: str, default: Any) -> Any:
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError):
-        return default
-
-
-def _replayed_user_prompt(messages: Sequence[Mapping[str, Any]],
-                          msg: Mapping[str, Any]) -> bool:
-    """A user prompt equal to the last one before any assistant reply (a resumed session
-    replays its prompt into the next segment)."""
-    content = msg.get("content")
-    if msg.get("role") != "user" or not isinstance(content, str) or not content:
-        return False
-    for prev in reversed(messages):
-        if prev.get("role") == "user" and prev.get("content") == content:
-            return True
-        if prev.get("role") == "assistant" and (prev.get("content") or prev.get("tool_calls")):
-            return False
-    return False
-
-
-def _without_review_harness(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Drop the background-review harness prompts an older Hermes wrote into real sessions,
-    with the curator reply right after each."""
-    out: list[dict[str, Any]] = []
-    skip_reply = False
-    for msg in messages:
-        content = msg.get("content")
-        if (msg.get("role") in ("user", "system") and isinstance(content, str)
-                and content.lstrip().startswith(_REVIEW_HARNESS_PREFIXES)):
-            skip_reply = True
-            continue
-        if skip_reply:
-            skip_reply = False
-            if msg.get("role") == "assistant":
-                continue
-        out.append(msg)
-    return out
-
-
-def _hermes_helper(module: str, name: str) -> Any:
-    """A helper of the installed hermes-agent (the client this module stands in for)."""
-    try:
-        return getattr(__import__(module, fromlist=[name]), name)
-    except ImportError as exc:
-        raise HermesMemoryError(f"Hermes's session store needs hermes-agent installed ({exc})"
-                                ) from exc
 
 
 def _remove_session_files(sessions_dir: Path | None, session_id: str) -> None:
