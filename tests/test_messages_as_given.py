@@ -97,6 +97,14 @@ SHAPES: dict[str, list[Message]] = {
         {"role": "tool", "tool_call_id": "c-\u00e9", "name": "gr\u00fc\u00dfe",
          "content": "\u00e9"},
     ],
+    # A turn whose rows' text is all ASCII has its rows written in one go; one beyond ASCII
+    # anywhere but in the contents and calls, row by row.
+    "ASCII text, a role, a call id and a tool name beyond ASCII": [
+        {"role": "user", "content": "rename it"},
+        {"role": "assistant", "content": "", "tool_calls": [call("c-1", "rename", to="b")]},
+        {"role": "tool", "tool_call_id": "c-\u00fc", "name": "gr\u00fc\u00dfe", "content": "ok"},
+        {"role": "r\u00f4le", "content": "done"},
+    ],
     # The two commonest shapes (a text message, a tool's answer) have their rows made
     # directly (message_rows._plain_row) unless a column would not hold a value: then as any other.
     "common shapes, with values a column would not hold": [
