@@ -52,7 +52,7 @@ class MessageIds:
     def take(self, n: int) -> int:
         """The first of ``n`` fresh consecutive ids."""
         with self._lock:
-            return self._give(n)
+            return self.give_locked(n)
 
     def use_lock(self, lock: threading.Lock) -> None:
         """Guard the counter with ``lock`` from now on: the outbox's, which an append holds
@@ -62,11 +62,6 @@ class MessageIds:
 
     def give_locked(self, n: int) -> int:
         """``take`` for a caller that already holds the lock given to ``use_lock``."""
-        first = self._next  # ``_give``, inlined: this runs in every sync_turn
-        self._next += max(int(n), 1)
-        return first
-
-    def _give(self, n: int) -> int:
         first = self._next
         self._next += max(int(n), 1)
         return first
@@ -75,7 +70,7 @@ class MessageIds:
         """Give the record ``key`` (recovered without ids) its ids now, in accept order."""
         with self._lock:
             if key not in self._reserved:
-                first = self._reserved[key] = self._give(n)
+                first = self._reserved[key] = self.give_locked(n)
                 self._protected = first if self._protected is None else min(self._protected,
                                                                              first)
 
@@ -83,7 +78,7 @@ class MessageIds:
         """The first id of a record that came without: reserved for it at start, or fresh."""
         with self._lock:
             first = self._reserved.get(key)
-            return first if first is not None else self._give(n)
+            return first if first is not None else self.give_locked(n)
 
     def peek(self) -> int:
         """The next id to be given (for tests and stats)."""

@@ -379,7 +379,7 @@ def _rows_json(rows: Sequence[Sequence[Any]]) -> str:
             break
     else:  # all ASCII, the commonest turn: the whole array at once
         whole = orjson.dumps(rows)
-        if whole.isascii():  # always: the fields are written ASCII (a guard all the same)
+        if whole.isascii():  # the fields are written ASCII: this guards that invariant
             return whole.decode("ascii")
     parts = []
     for m in rows:

@@ -44,10 +44,7 @@ def write(mm: mmap.mmap, off: int, payload: bytes, info: int, slot: bytes | None
         payload = payload[:at] + slot + payload[at + len(slot):]
     start = off + HEADER_BYTES
     mm[start : start + size] = payload
-    crc = _INFO_CRCS.get(info)
-    if crc is None:
-        crc = _info_crc(info)
-    _TAIL.pack_into(mm, off + 8, zlib.crc32(payload, crc), info)
+    _TAIL.pack_into(mm, off + 8, zlib.crc32(payload, _info_crc(info)), info)
     _MARK.pack_into(mm, off, MAGIC_U32, size)  # the commit mark: written last
     return start + size
 
