@@ -20,6 +20,12 @@ Two baselines, measured in the same run with nothing else running:
   is printed beside it.
 * the cheapest SQLite-based durable accept: one small row INSERTed and committed on its own.
 
+And the floor under the same load: in the sustained shape, each turn's sync_turn and the
+append of its record to a mapped file are timed in turn, in one loop, which goes first
+alternating every 20 turns; their ratio is printed for all calls and for the first call
+after the loop yields (it ran the writer meanwhile: caches are cold, and most of sync_turn's
+p99 is these calls).
+
 Goal (issue 28): p99 <= 12 µs (where the mmap append costs ~10 µs p99), judged on the
 sustained and burst shapes (the loop stays busy); the paced shape is reported with a
 control, a pure-Python function of similar cost timed the same way, since there the machine
@@ -68,6 +74,7 @@ SESSIONS = 1_000
 BACKLOG = 2_000
 PACED_RATE = 5_000.0
 BACKLOG_CHECK = 100  # look at the backlog every 100 turns, untimed
+SIDE = ("side_sync", "side_mmap", "side_sync_first", "side_mmap_first")
 
 
 def sqlite_accept(path, payloads: list[str]) -> list[int]:
@@ -96,10 +103,8 @@ _HEADER = 16
 _MAGIC = 0x8BF1A7D3
 
 
-def mmap_append(path, payloads: list[bytes], *, fault_ahead: bool) -> list[int]:
-    """Append each payload as an outbox record: the bytes, the CRC of its info word and
-    bytes, then the commit mark (magic and length). ``fault_ahead``: touch the pages first,
-    as the outbox's upkeep does."""
+def mapped(path, payloads: list[bytes], *, fault_ahead: bool) -> mmap.mmap:
+    """A shared mapping of a new file with room for ``payloads`` as outbox records."""
     size = sum(len(p) + _HEADER for p in payloads)
     size += -size % mmap.PAGESIZE
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -111,6 +116,14 @@ def mmap_append(path, payloads: list[bytes], *, fault_ahead: bool) -> list[int]:
     if fault_ahead:
         for page in range(0, size, mmap.PAGESIZE):
             mm[page] = 0
+    return mm
+
+
+def mmap_append(path, payloads: list[bytes], *, fault_ahead: bool) -> list[int]:
+    """Append each payload as an outbox record: the bytes, the CRC of its info word and
+    bytes, then the commit mark (magic and length). ``fault_ahead``: touch the pages first,
+    as the outbox's upkeep does."""
+    mm = mapped(path, payloads, fault_ahead=fault_ahead)
     t = now_ns
     out = [0] * len(payloads)
     off = 0
@@ -205,6 +218,62 @@ async def control(texts: list[tuple[str, str]], n: int, *, rate: float | None) -
     return out
 
 
+async def side_by_side(mem: MemoryPipeline, sids: list[str], texts: list[tuple[str, str]],
+                       uids: list[str], records: list[bytes], path) -> dict[str, list[int]]:
+    """sync_turn and the floor, timed in turn in one loop: each turn is accepted, and its
+    record (encoded ahead, untimed) appended to a mapped file as the outbox appends it, in
+    the sustained shape (yield every 20 turns; the writer commits all along). Which of the
+    two goes first after a yield alternates stretch by stretch: the first call after the loop
+    ran the writer runs on cold caches. Returns the samples: ``sync``, ``mmap``, and
+    ``sync_first``, ``mmap_first`` (the calls made first after a yield)."""
+    n = len(records)
+    mm = mapped(path, records, fault_ahead=True)
+    t = now_ns
+    st = mem.sync_turn
+    pack = _PAIR.pack_into
+    info = 2
+    info_crc = zlib.crc32(info.to_bytes(4, "little"))
+    out: dict[str, list[int]] = {"sync": [], "mmap": [], "sync_first": [], "mmap_first": []}
+    sync, mm_out = out["sync"], out["mmap"]
+    off = 0
+    for i in range(n):
+        user, assistant = texts[i % len(texts)]
+        s = i % len(sids)
+        p = records[i]
+        mmap_leads = (i // 20) % 2 == 0
+        for step in range(2):
+            if (step == 0) == mmap_leads:
+                a = t()
+                size = len(p)
+                start = off + _HEADER
+                mm[start : start + size] = p
+                pack(mm, off + 8, zlib.crc32(p, info_crc), info)
+                pack(mm, off, _MAGIC, size)
+                off = start + size
+                took = t() - a
+                mm_out.append(took)
+                if step == 0 and i % 20 == 0:
+                    out["mmap_first"].append(took)
+            else:
+                a = t()
+                st(user, assistant, session_id=sids[s], user_id=uids[s])
+                took = t() - a
+                sync.append(took)
+                if step == 0 and i % 20 == 0:
+                    out["sync_first"].append(took)
+        if i % 20 == 19:
+            await asyncio.sleep(0)
+            if i % BACKLOG_CHECK == BACKLOG_CHECK - 1:
+                give_up = time.perf_counter() + FLUSH_TIMEOUT_S
+                while mem.uncommitted() > BACKLOG:  # polling on purpose, as accept() does
+                    await asyncio.sleep(0)
+                    if time.perf_counter() > give_up:
+                        raise RuntimeError("the writer stopped committing")
+    mm.close()
+    os.unlink(path)
+    return out
+
+
 async def main() -> list[Result]:
     args = parser(__doc__.splitlines()[0]).parse_args()
     quiet_logs()
@@ -235,7 +304,7 @@ async def main() -> list[Result]:
     # Rounds interleave the shapes and the baseline, so a noisy minute of a shared machine
     # lands on one round; each figure is the median of the rounds' figures.
     rounds_of: dict[str, list[dict[str, float]]] = {
-        k: [] for k in [*shapes, "baseline", "mmap", "mmap_fresh"]}
+        k: [] for k in [*shapes, "baseline", "mmap", "mmap_fresh", *SIDE]}
     elapsed: dict[str, float] = dict.fromkeys(shapes, 0.0)
     batches: dict[str, int] = dict.fromkeys(shapes, 0)
     payloads = [f"{u}\n{a}" for u, a in texts]
@@ -265,6 +334,10 @@ async def main() -> list[Result]:
                         f"{time.perf_counter() - t1:.1f} s",
                         flush=True,
                     )
+                side = await side_by_side(mem, sids, texts, uids, records, d / "side.seg")
+                await mem.flush(timeout=FLUSH_TIMEOUT_S)
+                for k, v in side.items():
+                    rounds_of[f"side_{k}"].append(summary(v))
                 rounds_of["baseline"].append(summary(sqlite_accept(d / f"accept{r}.db", payloads)))
                 rounds_of["mmap"].append(summary(mmap_append(d / "append.seg", records,
                                                              fault_ahead=True)))
@@ -345,6 +418,25 @@ async def main() -> list[Result]:
             None,
         )
     )
+    # sync_turn and the floor under the same load, timed in turn (side_by_side).
+    sy, fl = med("side_sync"), med("side_mmap")
+    sy1, fl1 = med("side_sync_first"), med("side_mmap_first")
+    for label, a, b in (("all calls", sy, fl), ("the first call after the loop yields", sy1, fl1)):
+        print(f"side by side, writer committing, {label}: sync_turn p50 {fmt_ns(a['p50'])} "
+              f"p99 {fmt_ns(a['p99'])}; mmap append p50 {fmt_ns(b['p50'])} p99 "
+              f"{fmt_ns(b['p99'])}; ratio p50 {a['p50'] / b['p50']:.2f}x, p99 "
+              f"{a['p99'] / b['p99']:.2f}x")
+        results.append(
+            Result(
+                f"sync_turn() and the mmap append timed in turn, one loop, writer committing, "
+                f"{label} (p50 / p99)",
+                f"{fmt_ns(a['p50'])} / {fmt_ns(a['p99'])}",
+                f"mmap append {fmt_ns(b['p50'])} / {fmt_ns(b['p99'])}",
+                f"{a['p50'] / b['p50']:.2f}x / {a['p99'] / b['p99']:.2f}x",
+                "—",
+                None,
+            )
+        )
     report(results, args.json)
     return results
 
