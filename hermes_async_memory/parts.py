@@ -307,7 +307,8 @@ async def build_parts(p: MemoryPipeline, key_prefix: str, backoff: Backoff,
     writer = Writer(sources, sink, max_batch=s.max_batch, max_batch_bytes=s.max_batch_bytes,
                     max_wait_s=s.max_wait_ms / 1000, backoff=backoff, conditions=p.conditions,
                     observer=p.observer, clock=p.clock,
-                    chore=_reindexing(store, p.changed) if commits and store.reindex else None)
+                    chore=_reindexing(store, p.changed) if commits and store.reindex else None,
+                    settled=p.changed)
     writer.set_poll_interval(s.shared_poll_ms / 1000)
     parts = Parts(p, outbox, recovery, writer, recall, local, maintenance, supervisor,
                   inbox=inbox, slots=slots, slot=slot)

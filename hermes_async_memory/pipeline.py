@@ -536,8 +536,9 @@ class MemoryPipeline:
         return self._parts
 
     def changed(self) -> None:
-        """Wake ``wait_until`` callers: something the pipeline holds changed (a commit, a
-        recall, a warm-up, a replica write, a failure). Event-loop thread."""
+        """Wake ``wait_until`` callers: something the pipeline holds changed (a commit, its
+        records settled, a recall, a warm-up, a replica write, a failure). Event-loop
+        thread."""
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
 

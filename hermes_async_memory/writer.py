@@ -137,8 +137,12 @@ class Writer:
         observer: PipelineObserver, listeners: Sequence[Listener] = (),
         clock: Callable[[], float] = time.monotonic,
         chore: Callable[[], Awaitable[bool]] | None = None,
+        settled: Callable[[], None] | None = None,
     ) -> None:
         self._sources = list(sources)
+        # Told after each settle (the backlog shrank: committed, found stored, or
+        # dead-lettered), so that a ``wait_until`` on it wakes then, not at the next change.
+        self._settled = settled
         # Upkeep of the sink that needs its write connection (a rebuild of an index, in
         # slices): one step between batches, steps back to back while no work waits;
         # returns whether more is left.
@@ -316,7 +320,7 @@ class Writer:
             return items
         skipped = [t for t in items if isinstance(t, Turn) and t.key in held]
         log.info("replay_skipped", turns=len(skipped), source=source.name)
-        await source.settle(skipped, committed=False)
+        await self._settle(source, skipped, committed=False)
         return [t for t in items if not (isinstance(t, Turn) and t.key in held)]
 
     async def _write(self, source: Source, turns: list[Turn]) -> None:
@@ -357,7 +361,7 @@ class Writer:
         for listener in self._listeners:  # before the barrier moves: a flush then finds them
             await listener(turns, source)
             await maybe_yield()
-        await source.settle(turns, committed=True)
+        await self._settle(source, turns, committed=True)
         await maybe_yield()
         # The turns go a chunk at a step: the last reference to a 2,000-turn batch, dropped
         # at once, frees every turn in one ~1 ms step of the loop. The copy holds them while
@@ -436,7 +440,7 @@ class Writer:
         await self._finish_behind()
         held = await self._retrying(lambda: self._sink.held([t.key for t in turns]))
         if held:  # a replayed record the store has already: not the data's fault
-            await source.settle([t for t in turns if t.key in held], committed=False)
+            await self._settle(source, [t for t in turns if t.key in held], committed=False)
             rest = [t for t in turns if t.key not in held]
             if rest:
                 await self._write(source, rest)
@@ -455,7 +459,13 @@ class Writer:
         self.dead_letters += 1
         log.error("record_dead_lettered", key=item.key, session_id=item.session_id,
                   source=source.name, error=reason)
-        await source.settle([item], committed=False)
+        await self._settle(source, [item], committed=False)
+
+    async def _settle(self, source: Source, items: Sequence[Turn | Unreadable], *,
+                      committed: bool) -> None:
+        await source.settle(items, committed=committed)
+        if self._settled is not None:
+            self._settled()
 
     async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run a call on the store until it answers, while its failures are transient."""

@@ -16,6 +16,7 @@ from hermes_async_memory import (
     PipelineClosedError,
     QueueFullError,
     Settings,
+    maintenance,
 )
 from hermes_async_memory.store import SqliteStore
 
@@ -89,6 +90,23 @@ async def test_uncommitted_counts_what_is_accepted_and_not_yet_settled(
     await mem.flush()
     assert (mem.uncommitted(), mem.pending()) == (0, False)
     assert mem.stats().committed_turns == 30
+
+
+async def test_a_wait_for_nothing_uncommitted_wakes_when_the_writer_settles(
+        settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``wait_until`` checks its predicate after every change the pipeline makes, and the
+    writer settling a batch (the backlog shrinks) is one. The maintenance's round, the only
+    other change here, is put off for an hour: a settle that woke no one would leave each
+    wait to its deadline."""
+    monkeypatch.setattr(maintenance, "EVERY_S", 3600.0)
+    async with MemoryPipeline(settings) as mem:
+        for round_ in range(3):
+            for i in range(20):
+                mem.sync_turn(f"turn {round_} {i}", "ok", session_id=f"s{i % 4}", user_id="ann")
+            with anyio.fail_after(30):
+                await mem.wait_until(lambda: mem.uncommitted() == 0)
+            assert mem.stats().committed_turns == 20 * (round_ + 1)
+            assert mem.stats().pending_turns == 0
 
 
 async def test_queue_prefetch_fills_the_cache_for_the_next_turn(mem: MemoryPipeline) -> None:
