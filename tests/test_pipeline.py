@@ -95,9 +95,9 @@ async def test_uncommitted_counts_what_is_accepted_and_not_yet_settled(
 async def test_a_wait_for_nothing_uncommitted_wakes_when_the_writer_settles(
         settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     """``wait_until`` checks its predicate after every change the pipeline makes, and the
-    writer settling a batch (the backlog shrinks) is one. The maintenance's round, the only
-    other change here, is put off for an hour: a settle that woke no one would leave each
-    wait to its deadline."""
+    writer settling a batch (the backlog shrinks) is one. The commit's own change comes
+    before the settle, and the maintenance's round, the only one after it here, is put off
+    for an hour: a settle that woke no one would leave each wait to its deadline."""
     monkeypatch.setattr(maintenance, "EVERY_S", 3600.0)
     async with MemoryPipeline(settings) as mem:
         for round_ in range(3):
