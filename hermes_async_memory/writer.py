@@ -137,7 +137,7 @@ class Writer:
         observer: PipelineObserver, listeners: Sequence[Listener] = (),
         clock: Callable[[], float] = time.monotonic,
         chore: Callable[[], Awaitable[bool]] | None = None,
-        settled: Callable[[], None] | None = None,
+        settled: Callable[[], None] = lambda: None,
     ) -> None:
         self._sources = list(sources)
         # Told after each settle (the backlog shrank: committed, found stored, or
@@ -464,8 +464,7 @@ class Writer:
     async def _settle(self, source: Source, items: Sequence[Turn | Unreadable], *,
                       committed: bool) -> None:
         await source.settle(items, committed=committed)
-        if self._settled is not None:
-            self._settled()
+        self._settled()
 
     async def _retrying(self, op: Callable[[], Awaitable[T]]) -> T:
         """Run a call on the store until it answers, while its failures are transient."""
